@@ -1,0 +1,97 @@
+"""The one configuration object: built from vLLM's ``kv_connector_extra_config``.
+
+Every knob is declared once in ``_FIELDS`` (type, default, help); the frozen
+dataclass, the validation and the ``--help``-style description all come from
+that table.  Unknown keys are rejected with the list of valid ones, so a typo
+never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+RECLAIM_POLICIES = ("largest_first", "oldest_first", "least_recently_active")
+RESOLVER_BACKENDS = ("auto", "triton", "reference")
+
+# key: (type, default, allowed / lower bound, help)
+_FIELDS: dict[str, tuple[type, Any, Any, str]] = {
+    "hot_cache_rows": (int, None, 1, "rows of per-request hot cache B per source; default 2 x top-k"),
+    "host_pool_gib": (float, 4.0, 0.0, "pinned host memory for full KV history, GiB"),
+    "page_size": (int, 64, 1, "rows per device page of a hierarchy-managed source"),
+    "tail_pages": (int, 2, 1, "device pages per request/source for rows not yet host-backed"),
+    "admission_reserve_pages": (int, 0, 0, "pages kept free for admissions (M_res of eq. 3)"),
+    "repopulate_pages_per_step": (int, 16, 0, "bound on optional-history pages refilled per step"),
+    "reclaim_policy": (str, "largest_first", RECLAIM_POLICIES, "order in which whole requests are reclaimed (eq. 4)"),
+    "optional_residency": (bool, True, None, "keep imported history on device while memory is spare"),
+    "eager_backup": (bool, False, None, "back up imported history at admission instead of deferring it"),
+    "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
+    "debug_corrupt_mapping": (bool, False, None, "TEST ONLY: shift one resolved location so outputs must differ"),
+    "debug_fail_backup_of": (str, "", None, "TEST ONLY: request id (prefix) whose host backup fails"),
+}
+
+
+@dataclass(frozen=True)
+class DHiSparseConfig:
+    hot_cache_rows: int | None = None
+    host_pool_gib: float = 4.0
+    page_size: int = 64
+    tail_pages: int = 2
+    admission_reserve_pages: int = 0
+    repopulate_pages_per_step: int = 16
+    reclaim_policy: str = "largest_first"
+    optional_residency: bool = True
+    eager_backup: bool = False
+    resolver_backend: str = "auto"
+    debug_corrupt_mapping: bool = False
+    debug_fail_backup_of: str = ""
+
+    def __post_init__(self):
+        for key, (typ, _, allowed, _help) in _FIELDS.items():
+            value = getattr(self, key)
+            if value is None and _FIELDS[key][1] is None:
+                continue
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, key, float(value))
+                value = float(value)
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: expected "
+                                 f"{typ.__name__} ({_help})")
+            if isinstance(allowed, tuple) and value not in allowed:
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: allowed "
+                                 f"values are {list(allowed)}")
+            if isinstance(allowed, (int, float)) and not isinstance(allowed, bool) and value < allowed:
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: must be >= {allowed}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "DHiSparseConfig":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: "
+                             f"{sorted(_FIELDS)}")
+        return cls(**extra)
+
+    def hot_rows_for(self, top_k: int) -> int:
+        """B for a source whose indexer selects ``top_k`` rows; B < k is a config error."""
+        rows = self.hot_cache_rows if self.hot_cache_rows is not None else 2 * top_k
+        if rows < top_k:
+            raise ValueError(f"kv_connector_extra_config['hot_cache_rows'] = {rows} is smaller than "
+                             f"the model's top-k {top_k}; it must be >= {top_k} (default 2 x top-k)")
+        return rows
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def describe() -> str:
+    """Human-readable list of the keys, for ``--help`` and the README."""
+    lines = []
+    for key, (typ, default, allowed, help_) in _FIELDS.items():
+        extra = f" one of {list(allowed)}" if isinstance(allowed, tuple) else ""
+        lines.append(f"  {key} ({typ.__name__}, default {default!r}){extra}: {help_}")
+    return "\n".join(lines)
+
+
+assert set(_FIELDS) == {f.name for f in dataclasses.fields(DHiSparseConfig)}, \
+    "config table and dataclass disagree"

@@ -1,0 +1,1 @@
+"""Engine-agnostic KV hierarchy core: imports torch, never vLLM."""

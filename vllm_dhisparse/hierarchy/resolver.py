@@ -1,0 +1,153 @@
+"""Resolver façade: selected positions ``[N, K, k]`` -> device locations (eq. 2, 6, 12).
+
+Validates user-facing input, picks the implementation (fused Triton kernels on
+CUDA, the torch reference elsewhere), runs resolve then the host->device
+gather, and keeps running counters.  Counters stay on the device and are
+summed there; nothing here forces a host sync except input validation, which
+can be switched off by a caller that already guarantees bounds.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from triton_kernels import reference
+from triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
+                                      COUNTER_HOT, NUM_COUNTERS)
+
+from .source_state import SourceState
+
+BACKENDS = ("auto", "triton", "reference")
+BACKEND_ENV = "DHISPARSE_RESOLVER_BACKEND"
+
+
+def _pick_backend(requested: str, device: torch.device) -> str:
+    requested = os.environ.get(BACKEND_ENV, requested)
+    if requested not in BACKENDS:
+        raise ValueError(f"resolver backend {requested!r} is not one of {BACKENDS} "
+                         f"(set via argument or ${BACKEND_ENV})")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+            return "triton"
+        except ImportError:
+            return "reference"
+    return "reference"
+
+
+@dataclass
+class ResolverTotals:
+    """Cumulative counters; plain ints (read once, when asked)."""
+    calls: int = 0
+    selections: int = 0
+    direct: int = 0
+    hot: int = 0
+    host: int = 0
+    fetched: int = 0
+    bytes_fetched: int = 0
+    # multi-query (K > 1) calls only: selections served from host vs rows copied
+    verify_host_selections: int = 0
+    verify_fetched: int = 0
+
+
+class Resolver:
+    def __init__(self, source: SourceState, device_rows: torch.Tensor, host_rows: torch.Tensor,
+                 backend: str = "auto"):
+        if device_rows.dtype != torch.uint8 or device_rows.dim() != 2 \
+                or device_rows.shape[1] != source.row_bytes:
+            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}], got "
+                             f"{device_rows.dtype} {tuple(device_rows.shape)}")
+        if host_rows.dtype != torch.uint8 or host_rows.dim() != 2 \
+                or host_rows.shape[1] != source.row_bytes:
+            raise ValueError(f"host_rows must be uint8 [rows, {source.row_bytes}], got "
+                             f"{host_rows.dtype} {tuple(host_rows.shape)}")
+        self.source = source
+        self.device_rows = device_rows
+        self.host_rows = host_rows
+        self.backend = _pick_backend(backend, device_rows.device)
+        if self.backend == "triton":
+            from triton_kernels.gather import gather_rows
+            from triton_kernels.resolve import resolve
+            self._resolve, self._gather = resolve, gather_rows
+        else:
+            self._resolve, self._gather = reference.resolve_reference, reference.gather_reference
+        dev = source.device
+        self._totals = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=dev)
+        self._verify = torch.zeros(2, dtype=torch.int64, device=dev)
+        self._calls = 0
+
+    def staging_columns(self, n_queries: int, top_k: int) -> int:
+        """Staging rows a request needs so any union fits: K*k - B (paper 3.3)."""
+        return max(0, n_queries * top_k - self.source.budget)
+
+    def validate(self, req_ids: list[str], selections: torch.Tensor) -> torch.Tensor:
+        src = self.source
+        if not isinstance(selections, torch.Tensor) or selections.dtype != torch.int32:
+            raise ValueError(f"selections must be an int32 tensor [N, K, k], got "
+                             f"{getattr(selections, 'dtype', type(selections))}")
+        if selections.dim() != 3:
+            raise ValueError(f"selections must be [N, K, k], got shape {tuple(selections.shape)}")
+        if selections.device != src.device:
+            raise ValueError(f"selections on {selections.device}, source {src.name!r} on {src.device}")
+        n, _, top_k = selections.shape
+        if n != len(req_ids):
+            raise ValueError(f"selections has {n} rows but {len(req_ids)} request ids were given")
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"request ids must be distinct within one call, got {req_ids}")
+        if top_k > src.budget:
+            raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.budget} of source "
+                             f"{src.name!r}; B must be >= k")
+        slot_ids = src.slots(req_ids)  # KeyError names an unknown id
+        if n:
+            lens = src.seq_lens[slot_ids.long()].view(n, 1, 1)
+            bad = (selections < -1) | (selections >= lens)
+            if bool(bad.any()):
+                b, q, i = (int(x) for x in bad.nonzero()[0])
+                raise IndexError(
+                    f"selection {int(selections[b, q, i])} at [{b}, {q}, {i}] (request "
+                    f"{req_ids[b]!r}) is outside [0, {int(lens[b, 0, 0])}) rows of source "
+                    f"{src.name!r}; -1 is the only allowed padding")
+        return slot_ids
+
+    def resolve(self, req_ids: list[str], selections: torch.Tensor,
+                staging_rows: torch.Tensor | None = None, validate: bool = True):
+        """Returns ``(locations [N, K, k] int32, counters [N, 4] int32)``.
+
+        Rows at the returned locations equal the requests' original rows (eq. 12)
+        as soon as this returns (stream-ordered on CUDA).
+        """
+        src = self.source
+        if validate:
+            slot_ids = self.validate(req_ids, selections)
+        else:
+            slot_ids = src.slots(req_ids)
+        n, n_queries, top_k = selections.shape
+        need = self.staging_columns(n_queries, top_k)
+        if staging_rows is None:
+            if need:
+                raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = {src.budget}: "
+                                 f"pass staging_rows [N, >= {need}] int32 (device rows for overflow)")
+            staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
+        locations, miss_src, miss_dst, miss_count, counters = self._resolve(
+            selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
+            src.lru_order, src.hot_slot_of, staging_rows, src.host_base)
+        self._gather(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
+        per_call = counters.sum(0, dtype=torch.int64)
+        self._totals += per_call
+        if n_queries > 1:
+            self._verify += per_call[[COUNTER_HOST, COUNTER_FETCHED]]
+        self._calls += 1
+        return locations, counters
+
+    def totals(self) -> ResolverTotals:
+        t = self._totals.tolist()
+        v = self._verify.tolist()
+        return ResolverTotals(
+            calls=self._calls, selections=t[COUNTER_DIRECT] + t[COUNTER_HOT] + t[COUNTER_HOST],
+            direct=t[COUNTER_DIRECT], hot=t[COUNTER_HOT], host=t[COUNTER_HOST],
+            fetched=t[COUNTER_FETCHED], bytes_fetched=t[COUNTER_FETCHED] * self.source.row_bytes,
+            verify_host_selections=v[0], verify_fetched=v[1])

@@ -1,0 +1,123 @@
+"""Device-side state of one KV source: per request slot, the tables the resolver reads.
+
+A *source* is one physical KV payload (e.g. DeepSeek-V4's compressed c4a
+cache, or one GLM layer) with fixed ``row_bytes``.  Every admitted request
+gets a *slot* (row of the tables below) for each source it uses.
+
+Tables, all on the pool's device:
+
+* ``page_table [S, max_pages] int32`` — the *direct map*: device row of the
+  first row of each history page that is ready on device (tail pages and ready
+  optional-history pages), -1 otherwise.  Only *ready* pages are published
+  here; an allocated page whose copy is still pending stays -1 (paper 3.1:
+  ready vs allocated).
+* ``hot_pos / hot_rows / lru_order [S, B] int32`` and
+  ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache with exact LRU
+  (see ``triton_kernels/reference.py`` for the update rule).
+* ``seq_lens [S] int32`` — rows of history per slot (selections must be below).
+* ``host_base [S] int64`` — host row of the slot's row 0 in the host store.
+
+This class only owns the tables and their reset on open/close; which pages
+are ready is decided by the residency manager, which publishes and
+unpublishes pages through :meth:`publish_page` / :meth:`unpublish_page`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SourceState:
+    def __init__(self, *, name: str, row_bytes: int, page_size: int, max_slots: int,
+                 max_rows: int, hot_rows_per_slot: int, device: torch.device | str = "cpu"):
+        if row_bytes <= 0 or page_size <= 0 or max_slots <= 0 or max_rows <= 0:
+            raise ValueError(
+                f"source {name!r}: row_bytes={row_bytes}, page_size={page_size}, "
+                f"max_slots={max_slots}, max_rows={max_rows} must all be > 0")
+        if hot_rows_per_slot <= 0:
+            raise ValueError(f"source {name!r}: hot_rows_per_slot={hot_rows_per_slot} must be > 0")
+        self.name = name
+        self.row_bytes = row_bytes
+        self.page_size = page_size
+        self.max_slots = max_slots
+        self.max_rows = max_rows
+        self.budget = hot_rows_per_slot
+        self.max_pages = -(-max_rows // page_size)
+        self.device = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.page_table = torch.full((max_slots, self.max_pages), -1, **i32)
+        self.hot_pos = torch.full((max_slots, self.budget), -1, **i32)
+        self.hot_rows = torch.full((max_slots, self.budget), -1, **i32)
+        self.lru_order = torch.arange(self.budget, **i32).repeat(max_slots, 1)
+        self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
+        self.seq_lens = torch.zeros(max_slots, **i32)
+        self.host_base = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+
+    # -- slot lifecycle ---------------------------------------------------
+    def open_slot(self, req_id: str, hot_device_rows: torch.Tensor, host_base: int) -> int:
+        """Binds ``req_id`` to a fresh slot whose hot cache lives at ``hot_device_rows``."""
+        if req_id in self._slot_of:
+            raise ValueError(f"source {self.name!r}: request {req_id!r} already has a slot")
+        if not self._free_slots:
+            raise RuntimeError(f"source {self.name!r}: all {self.max_slots} slots in use")
+        if hot_device_rows.numel() != self.budget:
+            raise ValueError(f"source {self.name!r}: hot cache needs {self.budget} rows, "
+                             f"got {hot_device_rows.numel()}")
+        slot = self._free_slots.pop()
+        self._slot_of[req_id] = slot
+        self._reset(slot)
+        self.hot_rows[slot] = hot_device_rows.to(self.hot_rows)
+        self.host_base[slot] = host_base
+        return slot
+
+    def close_slot(self, req_id: str) -> None:
+        slot = self._slot_of.pop(self.require(req_id))
+        self._reset(slot)
+        self._free_slots.append(slot)
+
+    def _reset(self, slot: int) -> None:
+        self.page_table[slot] = -1
+        self.hot_pos[slot] = -1
+        self.hot_rows[slot] = -1
+        self.lru_order[slot] = torch.arange(self.budget, dtype=torch.int32, device=self.device)
+        self.hot_slot_of[slot] = -1
+        self.seq_lens[slot] = 0
+        self.host_base[slot] = 0
+
+    def require(self, req_id: str) -> str:
+        if req_id not in self._slot_of:
+            raise KeyError(f"source {self.name!r}: unknown request id {req_id!r}; "
+                           f"{len(self._slot_of)} requests are open")
+        return req_id
+
+    def slot(self, req_id: str) -> int:
+        return self._slot_of[self.require(req_id)]
+
+    def slots(self, req_ids) -> torch.Tensor:
+        return torch.tensor([self.slot(r) for r in req_ids], dtype=torch.int32, device=self.device)
+
+    @property
+    def open_requests(self) -> list[str]:
+        return list(self._slot_of)
+
+    # -- direct map ---------------------------------------------------------
+    def publish_page(self, req_id: str, page: int, device_row: int) -> None:
+        """Makes history page ``page`` resolvable directly.  Call only after its copy completed."""
+        self.page_table[self.slot(req_id), page] = device_row
+
+    def unpublish_page(self, req_id: str, page: int) -> None:
+        self.page_table[self.slot(req_id), page] = -1
+
+    def set_seq_len(self, req_id: str, rows: int) -> None:
+        if not 0 <= rows <= self.max_rows:
+            raise ValueError(f"source {self.name!r}: request {req_id!r} length {rows} "
+                             f"outside [0, {self.max_rows}]")
+        self.seq_lens[self.slot(req_id)] = rows
+
+    def seq_len(self, req_id: str) -> int:
+        return int(self.seq_lens[self.slot(req_id)])
+
+    def ready_pages(self, req_id: str) -> torch.Tensor:
+        """Pages of ``req_id`` published in the direct map.  # [P] int64"""
+        return (self.page_table[self.slot(req_id)] >= 0).nonzero().flatten()
