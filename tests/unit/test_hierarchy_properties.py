@@ -1,0 +1,116 @@
+"""Stateful property test: random admit / append / resolve / step / finish / preempt
+sequences over two sources keep every invariant (check_invariants after every step)
+and every request's resolved bytes equal its own ground truth (eq. 12), whatever
+the other requests do (reclaim by admission, repopulation, tail backups)."""
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from vllm_dhisparse.hierarchy.invariants import check_invariants
+from vllm_dhisparse.hierarchy.reclaim_policies import RECLAIM_POLICIES
+
+# Small odd widths and page sizes; device pools small enough that admissions reclaim.
+SOURCES = [
+    dict(name="a", row_bytes=3, page_size=2, device_pages=30, host_rows=180, hot_rows=3,
+         tail_pages=1, max_slots=6, max_rows=30, staging_rows=5),  # K*k <= 4*2
+    dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_rows=4,
+         tail_pages=2, max_slots=6, max_rows=30, staging_rows=8),  # K*k <= 4*3
+]
+MAX_K = {"a": 2, "b": 3}
+WIDTH = {s["name"]: s["row_bytes"] for s in SOURCES}
+
+
+def random_rows(n, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, width), dtype=torch.uint8, generator=g)
+
+
+class HierarchyMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(sorted(RECLAIM_POLICIES)), reserve=st.integers(0, 2),
+                optional=st.booleans(), eager=st.booleans(), repop=st.integers(1, 3))
+    def build(self, policy, reserve, optional, eager, repop):
+        self.h = KVHierarchy(SOURCES, reclaim_policy=policy, admission_reserve_pages=reserve,
+                             optional_residency=optional, eager_backup=eager,
+                             repopulate_pages_per_step=repop)
+        self.truth: dict[str, dict[str, torch.Tensor]] = {}
+        self.max_rows: dict[str, int] = {}
+        self.next_id = 0
+
+    def snapshot(self):
+        return [(p.pool.num_free, sorted(p.pool._used), p.state.page_table.tolist(),
+                 {r: (dict(x.optional), sorted(x.pending)) for r, x in p.residency.requests.items()})
+                for p in self.h.sources.values()]
+
+    @precondition(lambda self: len(self.truth) < 5)  # beyond that nearly every admission waits
+    @rule(n_a=st.integers(0, 24), n_b=st.integers(0, 24), max_rows=st.integers(24, 30),
+          seed=st.integers(0, 2**16))
+    def admit(self, n_a, n_b, max_rows, seed):
+        req = f"r{self.next_id}"
+        self.next_id += 1
+        imported = {"a": random_rows(n_a, 3, seed), "b": random_rows(n_b, 5, seed + 1)}
+        before = self.snapshot()
+        if self.h.admit(req, max_rows, imported):
+            self.truth[req] = {k: v.clone() for k, v in imported.items()}
+            self.max_rows[req] = max_rows
+        else:  # "wait": nothing reclaimed, nothing allocated
+            assert self.snapshot() == before
+
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data(), n=st.integers(1, 5), seed=st.integers(0, 2**16))
+    def append(self, data, n, seed):
+        req = data.draw(st.sampled_from(sorted(self.truth)))
+        src = data.draw(st.sampled_from(["a", "b"]))
+        n = min(n, self.max_rows[req] - self.truth[req][src].shape[0])
+        if n <= 0:
+            return
+        rows = random_rows(n, WIDTH[src], seed)
+        self.h.append(req, src, rows)
+        self.truth[req][src] = torch.cat([self.truth[req][src], rows])
+
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data())
+    def resolve(self, data):
+        src = data.draw(st.sampled_from(["a", "b"]))
+        reqs = data.draw(st.lists(st.sampled_from(sorted(self.truth)), min_size=1, max_size=3,
+                                  unique=True))
+        n_queries = data.draw(st.integers(1, 4))
+        top_k = data.draw(st.integers(1, MAX_K[src]))
+        sel = torch.full((len(reqs), n_queries, top_k), -1, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            n = self.truth[r][src].shape[0]
+            values = data.draw(st.lists(st.integers(-1, n - 1), min_size=n_queries * top_k,
+                                        max_size=n_queries * top_k))  # duplicates and -1 allowed
+            sel[i] = torch.tensor(values, dtype=torch.int32).view(n_queries, top_k)
+        loc, counters = self.h.resolve(src, reqs, sel)
+        pool = self.h.sources[src].pool
+        for i, r in enumerate(reqs):
+            m = sel[i] >= 0
+            assert bool((loc[i][~m] == -1).all()), f"padding of {r} got a location"
+            got = pool.rows[loc[i][m].long()]
+            assert torch.equal(got, self.truth[r][src][sel[i][m].long()]), \
+                f"request {r} source {src}: resolved bytes differ from its rows"
+            assert int(counters[i, :3].sum()) == int(m.sum())
+
+    @rule()
+    def step(self):
+        self.h.step()
+
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data(), preempt=st.booleans())
+    def release(self, data, preempt):
+        req = data.draw(st.sampled_from(sorted(self.truth)))
+        (self.h.preempt if preempt else self.h.finish)(req)
+        del self.truth[req], self.max_rows[req]
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "h"):
+            check_invariants(self.h, self.truth)
+
+
+HierarchyMachine.TestCase.settings = settings(
+    max_examples=50, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestHierarchyProperties = HierarchyMachine.TestCase

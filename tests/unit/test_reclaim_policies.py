@@ -1,0 +1,70 @@
+import itertools
+
+import pytest
+
+from vllm_dhisparse.hierarchy.reclaim_policies import (DEFAULT_RECLAIM_POLICY, RECLAIM_POLICIES,
+                                                       ReclaimCandidate, get_reclaim_policy,
+                                                       select_victims)
+
+CANDS = [ReclaimCandidate("a", admitted=0, last_active=9, pages=2),
+         ReclaimCandidate("b", admitted=1, last_active=3, pages=7),
+         ReclaimCandidate("c", admitted=2, last_active=5, pages=0),
+         ReclaimCandidate("d", admitted=3, last_active=1, pages=4),
+         ReclaimCandidate("e", admitted=4, last_active=1, pages=None)]
+
+
+def verify_eq4(order, victims, deficit):
+    """victims is the shortest prefix of the order (pages > 0) covering deficit."""
+    pages = {c.req_id: c.pages or 0 for c in order}
+    walk = [c.req_id for c in order if (c.pages or 0) > 0]
+    assert victims == walk[:len(victims)]
+    assert sum(pages[v] for v in victims) >= deficit
+    assert sum(pages[v] for v in victims[:-1]) < deficit
+
+
+@pytest.mark.parametrize("name", sorted(RECLAIM_POLICIES))
+def test_order_is_total_and_deterministic(name):
+    policy = get_reclaim_policy(name)
+    for perm in itertools.permutations(CANDS):
+        assert policy.order(list(perm)) == policy.order(CANDS)
+    assert sorted(c.req_id for c in policy.order(CANDS)) == list("abcde")
+
+
+@pytest.mark.parametrize("name", sorted(RECLAIM_POLICIES))
+@pytest.mark.parametrize("deficit", range(1, 14))
+def test_victims_obey_eq4(name, deficit):
+    policy = get_reclaim_policy(name)
+    victims = select_victims(policy, CANDS, deficit)
+    assert victims is not None
+    verify_eq4(policy.order(CANDS), victims, deficit)
+    assert "c" not in victims and "e" not in victims  # nothing to give, never disturbed
+
+
+@pytest.mark.parametrize("name", sorted(RECLAIM_POLICIES))
+def test_wait_and_no_deficit(name):
+    policy = get_reclaim_policy(name)
+    assert select_victims(policy, CANDS, 14) is None  # 13 pages cannot cover 14: wait
+    assert select_victims(policy, CANDS, 0) == [] and select_victims(policy, [], -3) == []
+    assert select_victims(policy, [], 1) is None
+
+
+def test_named_orders():
+    ids = lambda name: [c.req_id for c in get_reclaim_policy(name).order(CANDS)]
+    assert ids("largest_first") == ["b", "d", "a", "c", "e"]
+    assert ids("oldest_first") == ["a", "b", "c", "d", "e"]
+    assert ids("least_recently_active") == ["d", "e", "b", "c", "a"]
+
+
+def test_default_is_largest_first_fewest_disturbed():
+    assert DEFAULT_RECLAIM_POLICY == "largest_first"
+    assert "fewest requests" in RECLAIM_POLICIES["largest_first"].__doc__
+    assert select_victims(get_reclaim_policy("largest_first"), CANDS, 7) == ["b"]
+    assert select_victims(get_reclaim_policy("oldest_first"), CANDS, 7) == ["a", "b"]
+
+
+def test_unknown_name_lists_supported():
+    with pytest.raises(ValueError) as e:
+        get_reclaim_policy("random")
+    for name in RECLAIM_POLICIES:
+        assert name in str(e.value)
+    assert "'random'" in str(e.value)

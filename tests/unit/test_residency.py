@@ -1,0 +1,298 @@
+"""Scripted residency scenarios (paper 3.1): resident-first admission, eq. 3/4 reclaim,
+waiting, bounded round-robin repopulation, the tail, release, optional residency off."""
+import pytest
+import torch
+
+from triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from vllm_dhisparse.hierarchy.host_store import HostBackupError
+from vllm_dhisparse.hierarchy.invariants import check_invariants
+
+PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
+
+
+def make(device_pages, tail_pages=1, sources=("s",), **knobs):
+    pages = device_pages if isinstance(device_pages, dict) else dict.fromkeys(sources, device_pages)
+    specs = [dict(name=n, row_bytes=W, page_size=PS, device_pages=pages[n], host_rows=400,
+                  hot_rows=B, tail_pages=tail_pages, max_slots=8, max_rows=40) for n in sources]
+    return KVHierarchy(specs, **knobs), {}
+
+
+def rows(n, seed):
+    return torch.randint(0, 256, (n, W), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def admit(h, truth, req, n_imported, source="s"):
+    imported = {name: rows(n_imported, hash((req, name)) % 1000) for name in h.sources}
+    ok = h.admit(req, 40, imported)
+    if ok:
+        truth[req] = {name: t.clone() for name, t in imported.items()}
+    check_invariants(h, truth)
+    return ok
+
+
+def append(h, truth, req, n, seed, source="s"):
+    new = rows(n, seed)
+    h.append(req, source, new)
+    truth[req][source] = torch.cat([truth[req][source], new])
+
+
+def rec(h, req, source="s"):
+    return h.sources[source].residency.requests[req]
+
+
+def verify_optional(h, req, pages, source="s"):
+    assert sorted(rec(h, req, source).optional) == pages
+    table = h.sources[source].state.page_table[h.sources[source].state.slot(req)]
+    for p in pages:
+        assert int(table[p]) >= 0, f"optional page {p} of {req} not published"
+
+
+def verify_backed_rows(h, req, expect, source="s"):
+    backed = h.sources[source].host.backed(req)
+    assert backed.nonzero().flatten().tolist() == list(expect)
+
+
+def verify_resolves(h, truth, req, source="s"):
+    """Resolves every row of req (k = B per query) and checks bytes; returns summed counters."""
+    n = truth[req][source].shape[0]
+    total = torch.zeros(4, dtype=torch.int64)
+    pool = h.sources[source].pool
+    for start in range(0, n, B):
+        sel = torch.arange(start, min(start + B, n), dtype=torch.int32)
+        sel = torch.cat([sel, torch.full((B - sel.numel(),), -1, dtype=torch.int32)]).view(1, 1, B)
+        loc, counters = h.resolve(source, [req], sel)
+        m = sel[0, 0] >= 0
+        assert torch.equal(pool.rows[loc[0, 0][m].long()], truth[req][source][sel[0, 0][m].long()])
+        total += counters[0].long()
+    check_invariants(h, truth)
+    return total
+
+
+def snapshot(h):
+    out = {}
+    for name, p in h.sources.items():
+        rm = p.residency
+        out[name] = (p.pool.num_free, {r: dict(x.optional) for r, x in rm.requests.items()},
+                     {r: p.host.backed(r).clone().tolist() for r in rm.requests},
+                     p.state.page_table.clone().tolist(), rm.counters.pages_reclaimed)
+    return out
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_resident_first_keeps_imported_history_on_device(eager):
+    h, truth = make(20, admission_reserve_pages=2, eager_backup=eager)
+    assert admit(h, truth, "r0", 11)  # 5 complete pages + 1 boundary row
+    verify_optional(h, "r0", [0, 1, 2, 3, 4])
+    assert sorted(rec(h, "r0").tail) == [5]  # the partial boundary page is tail
+    st = h.stats()["sources"]["s"]
+    if eager:
+        verify_backed_rows(h, "r0", range(10))
+        assert st["host_backups_deferred"] == 0 and st["host_pages_written"] == 5
+    else:  # backup deferred: no host copy until a reclaim needs it
+        verify_backed_rows(h, "r0", [])
+        assert st["host_backups_deferred"] == 5 and st["host_pages_written"] == 0
+    assert st["eligible_history_rows"] == 10 and st["ready_optional_rows"] == 10
+    counters = verify_resolves(h, truth, "r0")
+    assert int(counters[COUNTER_DIRECT]) == 11 and int(counters[COUNTER_FETCHED]) == 0
+
+
+def test_history_that_does_not_fit_goes_to_host_now():
+    h, truth = make(10, admission_reserve_pages=1)
+    assert admit(h, truth, "r0", 18)  # 9 complete pages; 10 - 3 required - 1 reserve = 6 fit
+    verify_optional(h, "r0", [3, 4, 5, 6, 7, 8])  # the pages nearest the tail stay
+    verify_backed_rows(h, "r0", range(6))
+    assert h.sources["s"].pool.num_free == 1  # exactly the reserve (eq. 3 tight)
+    verify_resolves(h, truth, "r0")
+
+
+def pressured(policy):
+    """f (no history), r0 8 pages, r1 4 pages (2 fit), r2 ... leaves the pool full."""
+    h, truth = make(24, reclaim_policy=policy)
+    assert admit(h, truth, "r0", 16)  # 3 required + 8 optional -> 13 free
+    assert admit(h, truth, "r1", 8)  # 3 + 4 -> 6 free
+    assert admit(h, truth, "r2", 6)  # 3 + 3 -> 0 free
+    assert h.sources["s"].pool.num_free == 0
+    return h, truth
+
+
+@pytest.mark.parametrize("policy,active,victims", [
+    ("largest_first", None, ["r0"]),  # one request covers Δ = 3: fewest disturbed
+    ("oldest_first", None, ["r0"]),
+    ("least_recently_active", "r0", ["r1"]),  # r0 decoded recently; r1 idle longest
+])
+def test_admission_reclaims_whole_requests_eq4(policy, active, victims):
+    h, truth = pressured(policy)
+    if active:
+        h.step()
+        append(h, truth, active, 1, seed=7)
+    before = {r: dict(rec(h, r).optional) for r in ("r0", "r1", "r2")}
+    assert admit(h, truth, "r3", 0)  # Δ = 3 required + 0 reserve - 0 free
+    for r in ("r0", "r1", "r2"):
+        if r in victims:  # whole request: every optional page gone, every row backed first
+            assert rec(h, r).optional == {}
+            eligible = rec(h, r).eligible_pages * PS
+            assert bool(h.sources["s"].host.backed(r)[:eligible].all())
+        else:
+            assert rec(h, r).optional == before[r], f"{r} lost pages it should keep"
+    st = h.stats()["sources"]["s"]
+    assert st["reclaim_events"] == 1 and st["requests_reclaimed"] == len(victims)
+    assert st["pages_reclaimed"] == sum(len(before[v]) for v in victims)
+    for r in victims:
+        verify_resolves(h, truth, r)  # history now through hot cache / host, exact
+
+
+def test_prefix_of_several_requests_when_one_is_not_enough():
+    h, truth = pressured("oldest_first")
+    h.finish("r0")  # 11 pages free; r1 holds 4, r2 holds 3
+    assert admit(h, truth, "big", 22)  # 3 req + 8 optional kept -> 0 free
+    assert admit(h, truth, "x", 0)  # Δ = 3: oldest r1 (4 pages) covers it alone
+    assert rec(h, "r1").optional == {} and len(rec(h, "r2").optional) == 3
+    h.finish("x")
+    h.finish("big")
+    check_invariants(h, truth_minus(truth, "x", "big"))
+
+
+def truth_minus(truth, *gone):
+    for g in gone:
+        truth.pop(g, None)
+    return truth
+
+
+def test_waits_when_optional_pages_cannot_cover_and_reclaims_nothing():
+    h, truth = make(14, tail_pages=2)  # 4 required pages per request
+    assert admit(h, truth, "r0", 4)  # 4 + 2 optional -> 8 free
+    assert admit(h, truth, "r1", 0)
+    assert admit(h, truth, "r2", 0)  # 0 free; only 2 optional pages exist
+    before = snapshot(h)
+    assert not admit(h, truth, "r3", 0)  # Δ = 4 > 2
+    assert snapshot(h) == before and "r3" not in h.requests
+    assert h.stats()["admissions_waited"] == 1
+
+
+def test_admission_is_all_or_nothing_across_sources():
+    h, truth = make({"a": 14, "b": 10}, tail_pages=2, sources=("a", "b"))  # 4 required pages
+    imported = {"a": rows(8, 1), "b": rows(2, 2)}  # a: 4 optional pages, b: 1
+    assert h.admit("r0", 40, imported) and h.admit("r1", 40)
+    truth.update(r0={k: v.clone() for k, v in imported.items()},
+                 r1={k: rows(0, 0) for k in imported})
+    check_invariants(h, truth)  # free: a 2, b 1
+    before = snapshot(h)
+    # a could cover Δ = 2 by reclaiming r0, b cannot cover Δ = 3: nobody reclaims anything
+    assert not h.admit("r2", 40)
+    assert snapshot(h) == before and "r2" not in h.requests
+    check_invariants(h, truth)
+
+
+def test_backup_failure_during_reclaim_keeps_pages():
+    h, truth = pressured("largest_first")
+    h.sources["s"].host.fail_next_backup_of.add("r0")
+    with pytest.raises(HostBackupError, match="'r0'"):
+        h.admit("r3", 40)
+    assert len(rec(h, "r0").optional) == 8 and "r3" not in h.requests
+    check_invariants(h, truth)
+    assert admit(h, truth, "r3", 0)  # the fault was one-shot
+
+
+def test_repopulation_is_bounded_and_round_robin():
+    h, truth = make(15, repopulate_pages_per_step=2)
+    assert admit(h, truth, "f", 0)  # 12 free
+    assert admit(h, truth, "r0", 8)  # 4 kept -> 5 free
+    assert admit(h, truth, "r1", 8)  # 2 of 4 kept -> 0 free
+    assert admit(h, truth, "r2", 8)  # Δ = 3: r0 (4 pages) reclaimed; r2 keeps 1 of 4
+    assert [len(rec(h, r).optional) for r in ("r0", "r1", "r2")] == [0, 2, 1]
+    h.finish("f")
+    truth.pop("f")
+    assert h.sources["s"].pool.num_free == 3
+    h.step()  # issues 2 copies: r0 then r1 (round robin), pending and unpublished
+    pend = {r: sorted(rec(h, r).pending) for r in ("r0", "r1", "r2")}
+    assert pend == {"r0": [3], "r1": [1], "r2": []}
+    assert h.stats()["sources"]["s"]["pending_pages"] == 2
+    check_invariants(h, truth)  # (c): no pending page is published
+    counters = verify_resolves(h, truth, "r0")  # pending rows served through hot/host
+    assert int(counters[COUNTER_DIRECT]) == 0
+    h.step()  # publishes both; budget 1 left above reserve -> r2 is next in the round
+    assert sorted(rec(h, "r0").optional) == [3] and sorted(rec(h, "r1").optional) == [1, 2, 3]
+    assert sorted(rec(h, "r2").pending) == [2]
+    h.step()
+    st = h.stats()["sources"]["s"]
+    assert st["pages_repopulated"] == 3 and st["free_pages"] == 0 and st["pending_pages"] == 0
+    check_invariants(h, truth)
+    for r in ("r0", "r1", "r2"):
+        verify_resolves(h, truth, r)
+
+
+def test_tail_backup_then_release_and_full_tail_syncs():
+    h, truth = make(12, tail_pages=2)
+    assert admit(h, truth, "r0", 3)  # page 0 optional, row 2 in tail page 1
+    append(h, truth, "r0", 1, seed=1)  # page 1 complete
+    assert sorted(rec(h, "r0").tail) == [1]
+    h.step()  # backup of page 1 issued, page stays published meanwhile
+    assert [p for p, _ in rec(h, "r0").backups] == [1] and 1 in rec(h, "r0").tail
+    check_invariants(h, truth)
+    h.step()  # copy completed: page 1 leaves the tail, rows now host-backed
+    assert rec(h, "r0").tail == {} and len(rec(h, "r0").tail_free) == 2
+    verify_backed_rows(h, "r0", [2, 3])
+    append(h, truth, "r0", 7, seed=2)  # 3.5 pages into a 2-page tail: synchronous backups
+    check_invariants(h, truth)
+    assert sorted(rec(h, "r0").tail) == [4, 5]
+    verify_backed_rows(h, "r0", range(2, 8))
+    verify_resolves(h, truth, "r0")
+    with pytest.raises(ValueError, match="max_rows 40"):
+        h.append("r0", "s", rows(40, 0))
+
+
+@pytest.mark.parametrize("how", ["finish", "preempt"])
+def test_release_returns_everything(how):
+    h, truth = make(20, repopulate_pages_per_step=4)
+    for i in range(3):
+        assert admit(h, truth, f"r{i}", 9)
+    for i in range(3):
+        append(h, truth, f"r{i}", 3, seed=i)
+    h.step()
+    for i in range(3):
+        getattr(h, how)(f"r{i}")
+    p = h.sources["s"]
+    assert p.pool.num_free == 20 and p.host.rows_used == 0 and h.requests == {}
+    assert bool((p.state.page_table < 0).all()) and p.state.open_requests == []
+    check_invariants(h, {})
+    with pytest.raises(KeyError, match="'r0'"):
+        h.finish("r0")
+    assert admit(h, truth_minus(truth, "r0", "r1", "r2"), "r0", 5)  # the id is reusable
+
+
+def test_optional_residency_off():
+    h, truth = make(30, optional_residency=False, repopulate_pages_per_step=8)
+    assert admit(h, truth, "r0", 9)
+    assert rec(h, "r0").optional == {} and sorted(rec(h, "r0").tail) == [4]
+    verify_backed_rows(h, "r0", range(8))
+    for _ in range(3):
+        h.step()
+    st = h.stats()["sources"]["s"]
+    assert st["ready_optional_rows"] == 0 and st["pending_pages"] == 0 and st["pages_repopulated"] == 0
+    verify_resolves(h, truth, "r0")
+
+
+def test_config_errors_name_the_value():
+    with pytest.raises(ValueError, match="hot_rows=0"):
+        KVHierarchy([dict(name="s", row_bytes=3, page_size=2, device_pages=8, host_rows=40,
+                          hot_rows=0, tail_pages=1, max_slots=2, max_rows=20)])
+    with pytest.raises(ValueError, match="reserve 6"):
+        make(8, admission_reserve_pages=6)
+    with pytest.raises(ValueError, match="largest_first"):
+        make(8, reclaim_policy="fifo")
+    with pytest.raises(ValueError, match="valid keys"):
+        make(8, reserve=1)
+    h, truth = make(8)
+    with pytest.raises(ValueError, match="max_rows=41"):
+        h.admit("r", 41)
+    with pytest.raises(ValueError, match="uint8"):
+        h.admit("r", 10, {"s": torch.zeros(3, W, dtype=torch.int8)})
+    with pytest.raises(ValueError, match=r"\[n, 3\]"):
+        h.admit("r", 10, {"s": torch.zeros(3, W + 1, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="exceed max_rows=2"):
+        h.admit("r", 2, {"s": torch.zeros(3, W, dtype=torch.uint8)})
+    with pytest.raises(KeyError, match="'nope'"):
+        h.admit("r", 10, {"nope": torch.zeros(3, W, dtype=torch.uint8)})
+    with pytest.raises(KeyError, match="'ghost'"):
+        h.append("ghost", "s", rows(1, 0))

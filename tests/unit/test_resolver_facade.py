@@ -1,0 +1,102 @@
+"""Resolver façade through KVHierarchy.resolve: input validation and exactness (eq. 6, 12)."""
+import pytest
+import torch
+
+from triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from vllm_dhisparse.hierarchy.invariants import check_invariants
+
+PS, W, B = 3, 5, 4
+
+
+def rows(n, seed):
+    return torch.randint(0, 256, (n, W), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def setup():
+    """r_dev: all history on device; r_host: history reclaimed to host (tail holds the last row)."""
+    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=14, host_rows=200, hot_rows=B,
+                tail_pages=1, max_slots=4, max_rows=30, staging_rows=8)
+    h = KVHierarchy([spec])  # required: 2 hot + 1 tail + 3 staging = 6 pages
+    truth = {"r_host": {"s": rows(13, 1)}, "r_dev": {"s": rows(7, 2)}}
+    assert h.admit("r_host", 30, {"s": truth["r_host"]["s"]})  # 4 optional -> 4 free
+    assert h.admit("r_dev", 30, {"s": truth["r_dev"]["s"]})  # Δ = 2: r_host reclaimed; r_dev keeps 2
+    assert h.sources["s"].residency.requests["r_host"].optional == {}
+    check_invariants(h, truth)
+    return h, truth
+
+
+def sel(*queries):
+    return torch.tensor([list(queries)], dtype=torch.int32)  # [1, K, k]
+
+
+def verify_exact(h, truth, req_ids, selections, locations):
+    pool = h.sources["s"].pool
+    for n, r in enumerate(req_ids):
+        m = selections[n] >= 0
+        assert bool((locations[n][~m] == -1).all())
+        got = pool.rows[locations[n][m].long()]
+        assert torch.equal(got, truth[r]["s"][selections[n][m].long()]), f"request {r} got wrong bytes"
+
+
+@pytest.mark.parametrize("bad,exc,needle", [
+    (lambda: torch.zeros(1, 1, 2, dtype=torch.int64), ValueError, "int32"),
+    (lambda: torch.zeros(1, 2, dtype=torch.int32), ValueError, "(1, 2)"),
+    (lambda: torch.zeros(1, 1, 2, dtype=torch.int32, device="meta"), ValueError, "meta"),
+    (lambda: sel([0, 13]), IndexError, "selection 13"),
+    (lambda: sel([-2, 0]), IndexError, "selection -2"),
+    (lambda: torch.zeros(1, 1, B + 1, dtype=torch.int32), ValueError, "B must be >= k"),
+    (lambda: torch.zeros(2, 1, 2, dtype=torch.int32), ValueError, "2 rows but 1 request"),
+])
+def test_bad_input_names_the_value(setup, bad, exc, needle):
+    h, _ = setup
+    with pytest.raises(exc) as e:
+        h.resolve("s", ["r_host"], bad())
+    assert needle in str(e.value)
+
+
+def test_unknown_request_and_source(setup):
+    h, _ = setup
+    with pytest.raises(KeyError, match="'ghost'"):
+        h.resolve("s", ["ghost"], sel([0]))
+    with pytest.raises(KeyError, match="'t'"):
+        h.resolve("t", ["r_host"], sel([0]))
+
+
+def test_overflow_needs_staging_when_none_reserved():
+    h = KVHierarchy([dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=100,
+                          hot_rows=2, tail_pages=1, max_slots=2, max_rows=20)])
+    assert h.admit("r", 20, {"s": rows(9, 0)})
+    with pytest.raises(ValueError, match="staging_rows"):
+        h.resolve("s", ["r"], sel([0, 1], [2, 3]))
+
+
+def test_direct_hot_host_paths_are_exact(setup):
+    h, truth = setup
+    s = sel([0, 5, 12, -1])  # r_host: rows 0, 5 from host, 12 in the tail
+    loc, c = h.resolve("s", ["r_host"], s)
+    verify_exact(h, truth, ["r_host"], s, loc)
+    assert c[0].tolist() == [1, 0, 2, 2]  # direct, hot, host, fetched
+    loc, c = h.resolve("s", ["r_host"], s)  # now hot hits, nothing fetched
+    verify_exact(h, truth, ["r_host"], s, loc)
+    assert c[0].tolist() == [1, 2, 0, 0]
+    both = torch.tensor([[[3, 4, 6, 1]], [[0, 6, 3, -1]]], dtype=torch.int32)
+    loc, c = h.resolve("s", ["r_dev", "r_host"], both)  # r_dev: pages 0, 1 optional, row 6 tail
+    verify_exact(h, truth, ["r_dev", "r_host"], both, loc)
+    assert c[0].tolist() == [4, 0, 0, 0] and c[1].tolist() == [0, 1, 2, 2]
+    check_invariants(h, truth)
+
+
+def test_shared_retrieval_fetches_each_row_once(setup):
+    h, truth = setup
+    s = sel([1, 2, 7, -1], [7, 1, -1, 8], [7, 9, 2, 1])  # K = 3 queries, overlapping selections
+    loc, c = h.resolve("s", ["r_host"], s)  # K*k = 12 > B = 4: reserved staging takes overflow
+    verify_exact(h, truth, ["r_host"], s, loc)
+    assert int(c[0, COUNTER_HOST]) == 10 and int(c[0, COUNTER_FETCHED]) == 5  # {1, 2, 7, 8, 9}
+    for row in (1, 2, 7):  # every query selecting a row gets the same location
+        assert len(set(loc[0][s[0] == row].tolist())) == 1
+    t = h.stats()["sources"]["s"]["resolver"]
+    assert t["verify_host_selections"] == 10 and t["verify_fetched"] == 5
+    assert t["bytes_fetched"] == 5 * W
+    check_invariants(h, truth)  # staging overflow did not enter the hot cache

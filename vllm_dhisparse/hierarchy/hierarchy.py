@@ -1,0 +1,215 @@
+"""KVHierarchy: the engine-agnostic façade the vLLM glue calls (torch only).
+
+One object per worker owns, for every KV source, the device page pool, the
+host store, the resolver tables (``SourceState``), the resolver and the
+residency manager.  The glue's calls map onto a decode step:
+
+    admit(...)         scheduler: reserve required pages, place imported history
+                       (resident-first), reclaim per eq. 4 or answer "wait"
+    resolve(...)       attention hook: selections [N, K, k] -> device locations
+    append(...)        after the forward: new rows land in the tail
+    step()             between steps: finish copies, back up completed tail
+                       pages, repopulate a bounded number of optional pages
+    finish / preempt   release everything the request holds
+
+Admission is all-or-nothing across sources: every source is planned first
+(slots, host extent, eq. 4 victims) and only when all can admit is anything
+reclaimed or allocated.  Nothing here reclaims or repopulates under a reader:
+``resolve`` only reads the published tables and updates the hot cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .device_pool import DevicePagePool
+from .host_store import HostStore
+from .residency import ResidencyManager
+from .resolver import Resolver
+from .source_state import SourceState
+from .specs import ResidencyConfig, SourceSpec
+
+
+@dataclass
+class SourceParts:
+    spec: SourceSpec
+    state: SourceState
+    pool: DevicePagePool
+    host: HostStore
+    resolver: Resolver
+    residency: ResidencyManager
+
+
+class KVHierarchy:
+    def __init__(self, sources: list[SourceSpec | Mapping[str, Any]],
+                 config: ResidencyConfig | None = None, *, device: torch.device | str = "cpu",
+                 backend: str = "auto", **knobs):
+        if knobs:
+            if config is not None:
+                raise ValueError("pass residency knobs either as config=ResidencyConfig(...) or as "
+                                 f"keywords, not both (got keywords {sorted(knobs)})")
+            config = ResidencyConfig.from_dict(knobs)
+        self.config = config or ResidencyConfig()
+        specs = [s if isinstance(s, SourceSpec) else SourceSpec.from_dict(s) for s in sources]
+        if not specs:
+            raise ValueError("KVHierarchy needs at least one source spec")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be distinct, got {names}")
+        cfg = self.config
+        self.sources: dict[str, SourceParts] = {}
+        for s in specs:
+            state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
+                                max_slots=s.max_slots, max_rows=s.max_rows,
+                                hot_rows_per_slot=s.hot_rows, device=device)
+            pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
+                                  row_bytes=s.row_bytes, device=device)
+            host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows)
+            resolver = Resolver(state, pool.rows, host.rows, backend=backend)
+            residency = ResidencyManager(
+                state, pool, host, tail_pages=s.tail_pages, staging_rows=s.staging_rows,
+                reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,
+                optional_residency=cfg.optional_residency, eager_backup=cfg.eager_backup)
+            self.sources[s.name] = SourceParts(s, state, pool, host, resolver, residency)
+        self.requests: dict[str, dict[str, int]] = {}  # req -> source -> max_rows
+        self.step_index = 0
+        self.counters = dict(admissions=0, admissions_waited=0, finished=0, preempted=0)
+
+    # -- lookups -----------------------------------------------------------------------
+    def source(self, name: str) -> SourceParts:
+        if name not in self.sources:
+            raise KeyError(f"unknown source {name!r}; sources: {list(self.sources)}")
+        return self.sources[name]
+
+    def _require(self, req_id: str) -> str:
+        if req_id not in self.requests:
+            raise KeyError(f"unknown request id {req_id!r}; {len(self.requests)} requests admitted")
+        return req_id
+
+    def _check_rows(self, parts: SourceParts, rows: torch.Tensor, what: str) -> None:
+        w = parts.spec.row_bytes
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 \
+                or rows.shape[1] != w:
+            raise ValueError(f"{what} for source {parts.spec.name!r} must be a uint8 tensor "
+                             f"[n, {w}], got {getattr(rows, 'dtype', type(rows))} "
+                             f"{tuple(getattr(rows, 'shape', ()))}")
+
+    # -- admission ---------------------------------------------------------------------
+    def admit(self, req_id: str, max_rows: int | Mapping[str, int],
+              imported: Mapping[str, torch.Tensor] | None = None) -> bool:
+        """Admits ``req_id`` in every source or in none.  False = wait (nothing changed)."""
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already admitted")
+        imported = dict(imported or {})
+        for name in imported:
+            self.source(name)
+        limits = {}
+        for name, parts in self.sources.items():
+            mr = max_rows[name] if isinstance(max_rows, Mapping) else max_rows
+            if not isinstance(mr, int) or isinstance(mr, bool) or not 1 <= mr <= parts.spec.max_rows:
+                raise ValueError(f"request {req_id!r}: max_rows={mr!r} for source {name!r}; "
+                                 f"allowed 1..{parts.spec.max_rows} (source max_rows)")
+            if name in imported:
+                self._check_rows(parts, imported[name], f"imported history of {req_id!r}")
+                if imported[name].shape[0] > mr:
+                    raise ValueError(f"request {req_id!r}: {imported[name].shape[0]} imported rows "
+                                     f"for source {name!r} exceed max_rows={mr}")
+            limits[name] = mr
+        plans = {n: p.residency.plan_admission(limits[n]) for n, p in self.sources.items()}
+        if any(plan is None for plan in plans.values()):
+            self.counters["admissions_waited"] += 1
+            return False
+        for name, plan in plans.items():  # eq. 4 victims, backed up before their pages go
+            rm = self.sources[name].residency
+            for victim in plan.victims:
+                rm.reclaim(victim)
+            rm.counters.reclaim_events += bool(plan.victims)
+        for name, parts in self.sources.items():
+            rec = parts.residency.admit(req_id, limits[name], imported.get(name))
+            rec.last_active = self.step_index
+        self.requests[req_id] = limits
+        self.counters["admissions"] += 1
+        return True
+
+    # -- decode ------------------------------------------------------------------------
+    def append(self, req_id: str, source: str, rows: torch.Tensor) -> None:
+        """Decoded rows of ``req_id`` go into the tail of ``source``."""
+        self._require(req_id)
+        parts = self.source(source)
+        self._check_rows(parts, rows, f"appended rows of {req_id!r}")
+        rm = parts.residency
+        rm.tail.append(rm.request(req_id), rows)
+        for p in self.sources.values():
+            p.residency.request(req_id).last_active = self.step_index
+
+    def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
+                staging_rows: torch.Tensor | None = None, validate: bool = True):
+        """``(locations [N, K, k] int32, counters [N, 4] int32)``; see ``Resolver.resolve``.
+
+        Without ``staging_rows``, requests use their reserved staging pages
+        (``SourceSpec.staging_rows``) when K*k exceeds B.
+        """
+        parts = self.source(source)
+        if validate:
+            parts.resolver.validate(req_ids, selections)
+        if staging_rows is None and parts.residency.staging_rows and selections.shape[0]:
+            need = parts.resolver.staging_columns(selections.shape[1], selections.shape[2])
+            if 0 < need <= parts.residency.staging_rows:
+                staging_rows = torch.stack([
+                    parts.pool.page_rows(parts.residency.request(r).staging)[:need]
+                    for r in req_ids]).to(torch.int32).to(parts.state.device)
+        return parts.resolver.resolve(req_ids, selections, staging_rows, validate=False)
+
+    def step(self) -> None:
+        """Between decode steps: complete copies, back up full tail pages, repopulate."""
+        self.step_index += 1
+        for parts in self.sources.values():
+            rm = parts.residency
+            rm.complete_populations()  # pending -> ready (published)
+            for rec in rm.requests.values():
+                rm.tail.finish_backups(rec)  # backed tail pages leave the tail
+                rm.tail.start_backups(rec)  # newly completed tail pages start their copy
+            rm.repopulate(self.config.repopulate_pages_per_step)
+
+    # -- release -----------------------------------------------------------------------
+    def finish(self, req_id: str) -> None:
+        self._release(req_id)
+        self.counters["finished"] += 1
+
+    def preempt(self, req_id: str) -> None:
+        """Preemption frees like completion; a re-admission starts from imported history."""
+        self._release(req_id)
+        self.counters["preempted"] += 1
+
+    def _release(self, req_id: str) -> None:
+        self._require(req_id)
+        for parts in self.sources.values():
+            parts.residency.release(req_id)
+        del self.requests[req_id]
+
+    # -- observability -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters, step=self.step_index, admitted=len(self.requests))
+        per_source = {}
+        for name, parts in self.sources.items():
+            rm, ps = parts.residency, parts.spec.page_size
+            eligible = sum(r.eligible_pages for r in rm.requests.values()) * ps
+            per_source[name] = dict(
+                eligible_history_rows=eligible,
+                ready_optional_rows=rm.optional_pages() * ps,
+                optional_pages=rm.optional_pages(),
+                pending_pages=rm.pending_pages(),
+                required_pages=rm.required_pages(),
+                reserve_pages=rm.reserve,
+                free_pages=parts.pool.num_free,
+                device_pages=parts.pool.num_pages,
+                host_bytes_used=parts.host.bytes_used,
+                host_bytes_total=parts.host.bytes_total,
+                **dataclasses.asdict(rm.counters),
+                resolver=dataclasses.asdict(parts.resolver.totals()),
+            )
+        out["sources"] = per_source
+        return out

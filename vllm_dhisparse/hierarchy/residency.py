@@ -1,0 +1,301 @@
+"""Load-adaptive residency of one KV source (paper 3.1): required, optional and pending pages.
+
+Page states, per admitted request (every pool page in use is in exactly one):
+
+* required — hot cache (B rows), tail (``tail_pages``), staging (when
+  configured).  Reserved at admission, never lent, freed at completion.
+* optional — a *complete page of imported history* kept on device, published
+  in the direct map (ready).  Reclaimable.  Its host backup may be deferred.
+* pending  — allocated for repopulation, host->device copy in flight, NOT
+  published: the resolver serves those rows through hot cache / host until
+  ``complete_populations`` publishes them (ready vs allocated, paper 3.1).
+
+With M the pool's pages and M_res the admission reserve we keep
+
+    M_req + M_opt + M_res <= M            (eq. 3; M_opt counts pending pages)
+
+Admission needs Δ = required + reserve - free pages; when Δ > 0 it reclaims
+the whole optional history of the first q requests of the reclaim order that
+cover Δ (eq. 4), backing their device-only rows up first, or waits (reclaims
+nothing) when all optional pages together cannot cover Δ.
+
+Every row below ``seq_len`` is at all times ready on device (tail / optional
+page) or host-backed: pages are unpublished only after their backup completed.
+On CUDA the copies are stream-ordered behind earlier readers, so a freed page
+is only rewritten after those readers ran.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .device_pool import DevicePagePool
+from .host_store import HostStore
+from .reclaim_policies import ReclaimCandidate, get_reclaim_policy, select_victims
+from .source_state import SourceState
+from .tail import TailWriter
+
+
+@dataclass
+class PendingPage:
+    device_page: int
+    event: object = None  # torch.cuda.Event of the host->device copy, None when synchronous
+
+
+@dataclass
+class RequestPages:
+    req_id: str
+    admitted: int
+    max_rows: int
+    eligible_pages: int  # complete pages of imported history (optional residency covers these)
+    hot: list[int]
+    staging: list[int]
+    tail_free: list[int]  # reserved tail pages not bound to a history page
+    tail: dict[int, int] = field(default_factory=dict)  # history page -> device page (published)
+    optional: dict[int, int] = field(default_factory=dict)  # history page -> device page (ready)
+    pending: dict[int, PendingPage] = field(default_factory=dict)  # history page -> copy in flight
+    backups: list = field(default_factory=list)  # [(tail history page, PendingBackup)]
+    last_active: int = 0
+
+    @property
+    def required_pages(self) -> int:
+        return len(self.hot) + len(self.staging) + len(self.tail) + len(self.tail_free)
+
+    @property
+    def held_optional(self) -> int:
+        """a_r of eq. 4: pages a reclaim of this request returns."""
+        return len(self.optional) + len(self.pending)
+
+    def owned_pages(self) -> list[int]:
+        return (self.hot + self.staging + self.tail_free + list(self.tail.values())
+                + list(self.optional.values()) + [p.device_page for p in self.pending.values()])
+
+
+@dataclass
+class ResidencyCounters:
+    reclaim_events: int = 0  # admissions that reclaimed at least one request
+    requests_reclaimed: int = 0
+    pages_reclaimed: int = 0
+    pages_repopulated: int = 0  # published after their copy completed
+    host_pages_written: int = 0
+    host_backups_deferred: int = 0  # imported pages kept on device without a host copy
+
+
+@dataclass
+class AdmissionPlan:
+    deficit: int  # Δ; <= 0 means no reclaim needed
+    victims: list[str]  # eq. 4 prefix of the reclaim order
+
+
+class ResidencyManager:
+    def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
+                 tail_pages: int, staging_rows: int = 0, reserve_pages: int = 0,
+                 policy: str = "largest_first", optional_residency: bool = True,
+                 eager_backup: bool = False):
+        ps = pool.page_size
+        self.source, self.pool, self.host = source, pool, host
+        self.page_size = ps
+        self.hot_pages = -(-source.budget // ps)
+        self.tail_pages = tail_pages
+        self.staging_rows = staging_rows
+        self.staging_pages = -(-staging_rows // ps)
+        self.required_per_request = self.hot_pages + tail_pages + self.staging_pages
+        self.reserve = reserve_pages
+        if self.required_per_request + reserve_pages > pool.num_pages:
+            raise ValueError(
+                f"source {source.name!r}: one request needs {self.required_per_request} required pages "
+                f"(hot {self.hot_pages} + tail {tail_pages} + staging {self.staging_pages}) plus "
+                f"reserve {reserve_pages}, but the pool has {pool.num_pages}; allowed "
+                f"required + reserve <= device_pages")
+        self.policy = get_reclaim_policy(policy)
+        self.optional_residency = optional_residency
+        self.eager_backup = eager_backup
+        self.requests: dict[str, RequestPages] = {}
+        self.counters = ResidencyCounters()
+        self.tail = TailWriter(source, pool, host, self.counters)
+        self._admissions = 0
+        self._cursor = 0  # round-robin position of repopulation, persists across steps
+
+    # -- accounting (eq. 3) ---------------------------------------------------------
+    def required_pages(self) -> int:
+        return sum(r.required_pages for r in self.requests.values())
+
+    def optional_pages(self) -> int:
+        return sum(len(r.optional) for r in self.requests.values())
+
+    def pending_pages(self) -> int:
+        return sum(len(r.pending) for r in self.requests.values())
+
+    def request(self, req_id: str) -> RequestPages:
+        if req_id not in self.requests:
+            raise KeyError(f"source {self.source.name!r}: unknown request id {req_id!r}")
+        return self.requests[req_id]
+
+    # -- admission ------------------------------------------------------------------
+    def plan_admission(self, max_rows: int) -> AdmissionPlan | None:
+        """What admitting a request would reclaim (eq. 4), or None = wait.  Changes nothing."""
+        if len(self.source.open_requests) >= self.source.max_slots:
+            return None
+        if not self.host.can_allocate(max_rows):
+            return None
+        deficit = self.required_per_request + self.reserve - self.pool.num_free  # Δ
+        candidates = [ReclaimCandidate(r.req_id, r.admitted, r.last_active, r.held_optional)
+                      for r in self.requests.values()]
+        victims = select_victims(self.policy, candidates, deficit)
+        return None if victims is None else AdmissionPlan(deficit, victims)
+
+    def reclaim(self, req_id: str) -> int:
+        """Returns all optional and pending pages of ``req_id`` to the pool (backup first)."""
+        rec = self.request(req_id)
+        ps = self.page_size
+        # 1. two-phase backup of device-only rows; an exception leaves every page in place
+        backed = self.host.backed(req_id)
+        issued = []
+        for page, dev in sorted(rec.optional.items()):
+            rows = torch.arange(page * ps, (page + 1) * ps)
+            if not bool(backed[rows].all()):
+                data = self.pool.rows[self.pool.page_rows([dev]).to(self.pool.rows.device)]
+                issued.append(self.host.prepare_backup(req_id, rows, data))
+        for pending in issued:
+            self.host.complete_backup(pending)
+        self.counters.host_pages_written += len(issued)
+        # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
+        for page in rec.optional:
+            self.source.unpublish_page(req_id, page)
+        self._wait_populations(rec)  # pending pages are host-backed already; just drop them
+        pages = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
+        rec.optional.clear()
+        rec.pending.clear()
+        self.pool.free(pages)
+        self.counters.requests_reclaimed += 1
+        self.counters.pages_reclaimed += len(pages)
+        return len(pages)
+
+    def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None) -> RequestPages:
+        """Reserves required pages, opens the slot and places imported history.
+
+        Call after ``plan_admission`` returned a plan and its victims were reclaimed.
+        """
+        pages = self.pool.allocate(self.required_per_request)
+        assert pages is not None and self.pool.num_free >= self.reserve, \
+            f"source {self.source.name!r}: admission of {req_id!r} without a plan covering Δ"
+        host_base = self.host.allocate(req_id, max_rows)
+        assert host_base is not None, f"host store {self.host.name!r}: extent vanished after plan"
+        hot = pages[:self.hot_pages]
+        tail = pages[self.hot_pages:self.hot_pages + self.tail_pages]
+        staging = pages[self.hot_pages + self.tail_pages:]
+        n = 0 if imported is None else imported.shape[0]
+        self.source.open_slot(req_id, self.pool.page_rows(hot)[:self.source.budget], host_base)
+        rec = RequestPages(req_id, self._admissions, max_rows, n // self.page_size,
+                           hot, staging, tail[::-1])
+        self._admissions += 1
+        self.requests[req_id] = rec
+        if n:
+            self._place_imported(rec, imported)
+        return rec
+
+    def _place_imported(self, rec: RequestPages, imported: torch.Tensor) -> None:
+        """Resident-first admission (paper 3.1)."""
+        ps, full = self.page_size, rec.eligible_pages
+        keep = 0
+        if self.optional_residency:  # only room above required + reserve is lent
+            keep = max(0, min(full, self.pool.num_free - self.reserve))
+        # Keep the pages nearest the tail: recent history is the likeliest to be selected.
+        first_kept = full - keep
+        dev_pages = self.pool.allocate(keep)
+        for page, dev in zip(range(first_kept, full), dev_pages):
+            self.pool.rows[self.pool.page_rows([dev]).to(self.pool.rows.device)] = \
+                imported[page * ps:(page + 1) * ps].to(self.pool.rows.device)
+            rec.optional[page] = dev
+            self.source.publish_page(rec.req_id, page, self.pool.first_row(dev))
+        if self.eager_backup:
+            self._write_host(rec, imported, first_kept * ps, full * ps)
+        else:  # deferred: done only if this request is reclaimed
+            self.counters.host_backups_deferred += keep
+        self._write_host(rec, imported, 0, first_kept * ps)  # pages that did not fit
+        self.source.set_seq_len(rec.req_id, full * ps)
+        if imported.shape[0] > full * ps:  # the partial boundary page goes to the tail
+            self.tail.append(rec, imported[full * ps:])
+
+    def _write_host(self, rec: RequestPages, data: torch.Tensor, start: int, end: int) -> None:
+        if end <= start:
+            return
+        pending = self.host.prepare_backup(rec.req_id, torch.arange(start, end), data[start:end])
+        self.host.complete_backup(pending)
+        self.counters.host_pages_written += (end - start) // self.page_size
+
+    # -- repopulation -----------------------------------------------------------------
+    def _next_eligible(self, rec: RequestPages) -> int | None:
+        """Highest complete imported page that is host-backed and not on device."""
+        ps, full = self.page_size, rec.eligible_pages
+        if full == 0 or rec.held_optional >= full:
+            return None
+        ok = self.host.backed(rec.req_id)[:full * ps].view(full, ps).all(1)
+        taken = list(rec.optional) + list(rec.pending)
+        if taken:
+            ok[torch.tensor(taken)] = False
+        idx = ok.nonzero().flatten()
+        return int(idx[-1]) if idx.numel() else None
+
+    def repopulate(self, max_pages: int) -> int:
+        """Issues up to ``max_pages`` page copies, one page per request per turn, round-robin
+        from a cursor that persists across calls (a small budget still reaches every
+        request).  Pages stay pending, unpublished, until ``complete_populations``."""
+        if not self.optional_residency or not self.requests:
+            return 0
+        order = list(self.requests)
+        budget = min(max_pages, self.pool.num_free - self.reserve)
+        issued = idle = 0
+        while issued < budget and idle < len(order):
+            i = self._cursor % len(order)
+            self._cursor = i + 1
+            rec = self.requests[order[i]]
+            page = self._next_eligible(rec)
+            if page is None:
+                idle += 1
+                continue
+            idle = 0
+            dev = self.pool.allocate(1)[0]
+            rows = torch.arange(page * self.page_size, (page + 1) * self.page_size)
+            dst = self.pool.page_rows([dev]).to(self.pool.rows.device)
+            pending = PendingPage(dev)
+            if self.pool.rows.is_cuda:
+                self.pool.rows[dst] = self.host.read(rec.req_id, rows).to(dst.device, non_blocking=True)
+                pending.event = torch.cuda.Event()
+                pending.event.record()
+            else:
+                self.pool.rows[dst] = self.host.read(rec.req_id, rows)
+            rec.pending[page] = pending
+            issued += 1
+        return issued
+
+    def _wait_populations(self, rec: RequestPages) -> None:
+        for p in (p for p in rec.pending.values() if p.event is not None):
+            p.event.synchronize()
+
+    def complete_populations(self) -> int:
+        """Publishes pending pages whose copy finished: from here on they resolve directly."""
+        done = 0
+        for rec in self.requests.values():
+            self._wait_populations(rec)
+            for page, p in sorted(rec.pending.items()):
+                rec.optional[page] = p.device_page
+                self.source.publish_page(rec.req_id, page, self.pool.first_row(p.device_page))
+                done += 1
+            rec.pending.clear()
+        self.counters.pages_repopulated += done
+        return done
+
+    # -- release ----------------------------------------------------------------------
+    def release(self, req_id: str) -> None:
+        """Completion / preemption: device pages, slot and host extent all go back."""
+        rec = self.request(req_id)
+        for _, pending in rec.backups:  # copies still reading tail pages must finish first
+            if pending.event is not None:
+                pending.event.synchronize()
+        self._wait_populations(rec)
+        del self.requests[req_id]
+        self.pool.free(rec.owned_pages())
+        self.source.close_slot(req_id)
+        self.host.free(req_id)

@@ -1,0 +1,71 @@
+"""What :class:`~vllm_dhisparse.hierarchy.hierarchy.KVHierarchy` is built from.
+
+``SourceSpec`` describes one physical KV source (its pools and per-request
+reservations); ``ResidencyConfig`` the load-adaptive residency knobs shared by
+all sources.  Both validate in ``__post_init__`` and name the bad value and
+what is allowed; ``from_dict`` rejects unknown keys with the valid list.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .reclaim_policies import DEFAULT_RECLAIM_POLICY, get_reclaim_policy
+
+
+def _from_dict(cls, what: str, d: Mapping[str, Any]):
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {what} key(s) {unknown}; valid keys: {valid}")
+    return cls(**d)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    row_bytes: int  # bytes of one KV row of this source
+    page_size: int  # rows per device page
+    device_pages: int  # M of eq. 3 for this source
+    host_rows: int  # host backing capacity (all requests)
+    hot_rows: int  # B: hot-cache rows per request
+    tail_pages: int  # mutable-tail pages per request
+    max_slots: int  # concurrent requests
+    max_rows: int  # longest request history
+    staging_rows: int = 0  # per-request verification staging (K_max*k - B), 0 = none
+
+    def __post_init__(self):
+        for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),
+                         ("hot_rows", 1), ("tail_pages", 1), ("max_slots", 1), ("max_rows", 1),
+                         ("staging_rows", 0)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"source {self.name!r}: {key}={value!r}; allowed: int >= {low}")
+        if self.max_rows > self.host_rows:
+            raise ValueError(f"source {self.name!r}: max_rows={self.max_rows} exceeds "
+                             f"host_rows={self.host_rows}; a request's extent must fit the host store")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SourceSpec":
+        return _from_dict(cls, "source spec", d)
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    admission_reserve_pages: int = 0  # M_res of eq. 3, per source
+    repopulate_pages_per_step: int = 16  # bound per source per step()
+    reclaim_policy: str = DEFAULT_RECLAIM_POLICY  # order of eq. 4
+    optional_residency: bool = True  # off = imported history goes to host, no repopulation
+    eager_backup: bool = False  # back up kept imported pages at admission instead of deferring
+
+    def __post_init__(self):
+        for key in ("admission_reserve_pages", "repopulate_pages_per_step"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key}={value!r}; allowed: int >= 0")
+        get_reclaim_policy(self.reclaim_policy)  # ValueError lists the supported names
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ResidencyConfig":
+        return _from_dict(cls, "residency config", d)

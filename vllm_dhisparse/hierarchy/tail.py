@@ -1,0 +1,104 @@
+"""The mutable tail of one request/source: newly computed rows until they are host-backed.
+
+Each admitted request reserves ``tail_pages`` device pages per source
+(required, never lent).  A tail page is bound to one history page index and is
+published in the direct map while it holds rows, so the resolver reads tail
+rows directly (paper Figure 2, callout 1).  Rows are append-only.
+
+Life of a tail page:
+
+1. ``append`` binds a free reserved page to history page ``pos // page_size``,
+   writes the rows, publishes it, then raises ``seq_len`` (the resolver never
+   reads at or past ``seq_len``, so the order keeps readers safe).
+2. Once a page is complete, ``start_backups`` (called by ``step()``) issues its
+   host copy (two-phase ``prepare_backup``).  It stays published meanwhile: its
+   rows have no complete host copy yet.
+3. ``finish_backups`` (next ``step()``) completes the copy, unpublishes the
+   page and returns it to the request's free tail pages.  From then on those
+   rows resolve through the hot cache / host (decoded rows follow hot-cache
+   rules, paper 3.1).  The partial last page never leaves the tail.
+
+If ``append`` needs a page while all are bound, it backs up synchronously
+(``flush``) first; every bound page except the current one is complete then,
+so at least one page comes free.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .device_pool import DevicePagePool
+from .host_store import HostStore
+from .source_state import SourceState
+
+if TYPE_CHECKING:
+    from .residency import RequestPages, ResidencyCounters
+
+
+class TailWriter:
+    def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore,
+                 counters: "ResidencyCounters"):
+        self.source = source
+        self.pool = pool
+        self.host = host
+        self.counters = counters
+        self.page_size = pool.page_size
+
+    def append(self, rec: "RequestPages", rows: torch.Tensor) -> None:
+        """Writes ``rows`` ([n, row_bytes] uint8) after the request's current last row."""
+        src, ps = self.source, self.page_size
+        pos = src.seq_len(rec.req_id)
+        n = rows.shape[0]
+        if pos + n > rec.max_rows:
+            raise ValueError(f"source {src.name!r}: request {rec.req_id!r} has {pos} rows; "
+                             f"appending {n} exceeds its max_rows {rec.max_rows}")
+        i = 0
+        while i < n:
+            page = pos // ps
+            dev = rec.tail.get(page)
+            new_page = dev is None
+            if new_page:
+                if not rec.tail_free:
+                    self.flush(rec)
+                assert rec.tail_free, f"request {rec.req_id!r}: tail flush freed no page"
+                dev = rec.tail_free.pop()
+            take = min(n - i, ps - pos % ps)
+            start = self.pool.first_row(dev) + pos % ps
+            self.pool.rows[start:start + take] = rows[i:i + take].to(self.pool.rows.device)
+            if new_page:  # publish only after the bytes are in place
+                rec.tail[page] = dev
+                src.publish_page(rec.req_id, page, self.pool.first_row(dev))
+            pos += take
+            i += take
+            src.set_seq_len(rec.req_id, pos)
+
+    def start_backups(self, rec: "RequestPages") -> int:
+        """Issues host copies of complete tail pages not already in flight."""
+        complete = self.source.seq_len(rec.req_id) // self.page_size
+        in_flight = {p for p, _ in rec.backups}
+        issued = 0
+        for page, dev in sorted(rec.tail.items()):
+            if page < complete and page not in in_flight:
+                rows = torch.arange(page * self.page_size, (page + 1) * self.page_size)
+                data = self.pool.rows[self.pool.page_rows([dev]).to(self.pool.rows.device)]
+                rec.backups.append((page, self.host.prepare_backup(rec.req_id, rows, data)))
+                issued += 1
+        return issued
+
+    def finish_backups(self, rec: "RequestPages") -> None:
+        """Completes issued copies; each backed page leaves the tail (unpublished, freed)."""
+        while rec.backups:
+            page, pending = rec.backups[0]
+            self.host.complete_backup(pending)  # rows are backed from here on
+            rec.backups.pop(0)
+            self.source.unpublish_page(rec.req_id, page)
+            rec.tail_free.append(rec.tail.pop(page))
+            self.counters.host_pages_written += 1
+
+    def flush(self, rec: "RequestPages") -> None:
+        """Synchronous path for a full tail: back up every complete page now."""
+        self.finish_backups(rec)
+        if not rec.tail_free:
+            self.start_backups(rec)
+            self.finish_backups(rec)
