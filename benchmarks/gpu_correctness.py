@@ -1,0 +1,269 @@
+"""Triton resolve + gather against the torch references at real sizes (H200).
+
+For each configuration (top_k k, hot budget B = 2k, K queries, batch, row width) it
+builds a pinned host pool with each request's rows contiguous, a device pool
+(hot rows | direct pages | staging), and runs several consecutive calls on the
+same state: cold cache with only the tail direct, then warm calls while more
+optional-history pages become direct.  Every call compares all outputs and all
+state tensors of ``resolve`` with ``resolve_reference`` run on a shadow copy of
+the state, the whole device pool after ``gather_rows`` with ``gather_reference``
+on a shadow pool, and the bytes at every returned location with the ground-truth
+rows.  Prints a table, writes JSON, exits 1 on any mismatch.
+
+    python benchmarks/gpu_correctness.py                      # H200, < 5 min
+    TRITON_INTERPRET=1 python benchmarks/gpu_correctness.py --small --out /tmp/x.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE_SIZE = 64
+HOST_POOL_GIB = 2.0
+DIRECT_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # optional history made direct before call i (tail always)
+
+
+@dataclass
+class Case:
+    top_k: int
+    queries: int
+    batch: int
+    row_bytes: int
+    calls: list = field(default_factory=list)
+    passed: bool = True
+
+    @property
+    def name(self):
+        return f"k{self.top_k}_K{self.queries}_N{self.batch}_{self.row_bytes}B"
+
+
+def cases(small: bool) -> list[Case]:
+    """Every (k, K) with every batch; row widths rotate so each meets each batch and K."""
+    rows = (584, 656, 2432)
+    ks, Ks, batches = ((8, 16), (1, 3), (2, 5)) if small else ((512, 2048), (1, 4, 8), (8, 32, 160))
+    return [Case(k, K, n, rows[(i + j + m) % 3])
+            for m, k in enumerate(ks) for i, K in enumerate(Ks) for j, n in enumerate(batches)]
+
+
+class Setup:
+    """Host pool, device pool and hierarchy state for one configuration."""
+
+    def __init__(self, case: Case, pool: torch.Tensor, dev: str, g: torch.Generator, small: bool):
+        k, n, w = case.top_k, case.batch, case.row_bytes
+        self.dev, self.g, self.case = dev, g, case
+        self.page_size = 4 if small else PAGE_SIZE
+        self.B = 2 * k
+        self.S = n + 2  # two idle slots: slot ids are not 0..N-1
+        cap = pool.numel() // (self.S * w)
+        self.P = min(max(cap, 0), 8 * k if small else 6 * k)
+        if self.P < k:
+            raise SystemExit(f"{case.name}: host pool too small for {self.S} x {k} rows of {w} B")
+        P, S, B, ps = self.P, self.S, self.B, self.page_size
+        self.n_pages = -(-P // ps)
+        self.host_rows = pool[:S * P * w].view(S * P, w)  # pinned on GPU machines
+        self.truth = self.host_rows.to(dev)  # device copy of the ground truth (and gather oracle)
+        self.host_base = (torch.randperm(S, generator=g) * P).to(dev)
+        self.lengths = torch.full((S,), P, dtype=torch.int64)
+        short = torch.randperm(S, generator=g)[:max(1, S // 8)]
+        self.lengths[short] = torch.randint(1, k, (len(short),), generator=g)  # fewer rows than k
+        self.lengths = self.lengths.to(dev)
+
+        n_hot, n_direct = S * B, S * self.n_pages * ps
+        per_row = max(0, case.queries * k - B)
+        self.stage_start = n_hot + n_direct
+        self.device_rows = torch.zeros(n_hot + n_direct + n * per_row, w, dtype=torch.uint8,
+                                       device=dev)
+        self.hot_rows = torch.randperm(n_hot, generator=g).int().view(S, B).to(dev)
+        page_slot = torch.randperm(S * self.n_pages, generator=g).to(dev)
+        self.page_starts = (n_hot + page_slot * ps).int().view(S, self.n_pages)
+        # every page's rows sit at their device place; page_table decides which are "ready"
+        rows = torch.arange(S * self.n_pages * ps, device=dev)
+        slot, pos = rows // (self.n_pages * ps), rows % (self.n_pages * ps)
+        keep = pos < P
+        dst = self.page_starts.flatten()[slot * self.n_pages + pos // ps].long() + pos % ps
+        self.device_rows[dst[keep]] = self.truth[self.host_base[slot[keep]] + pos[keep]]
+        self.staging_rows = (n_hot + n_direct + torch.randperm(n * per_row, generator=g).int()) \
+            .view(n, per_row).to(dev)
+        self.page_table = torch.full((S, self.n_pages), -1, dtype=torch.int32, device=dev)
+        self.ready = torch.zeros(S, self.n_pages, dtype=torch.bool)
+        self.hot_pos = torch.full((S, B), -1, dtype=torch.int32, device=dev)
+        self.hot_slot_of = torch.full((S, P), -1, dtype=torch.int32, device=dev)
+        self.lru_order = torch.stack([torch.randperm(B, generator=g) for _ in range(S)]).int().to(dev)
+        self.shadow = [t.clone() for t in (self.hot_pos, self.lru_order, self.hot_slot_of)]
+        # per-slot working set: the rows the indexer keeps coming back to
+        self.working = torch.rand(S, P, generator=g).to(dev) < 0.6 * k / P
+        self.set_direct(0.0)
+
+    def set_direct(self, fraction: float):
+        """The tail page of each request plus ``fraction`` of its history is direct."""
+        S, n_pages = self.S, self.n_pages
+        last = ((self.lengths.cpu() - 1) // self.page_size).clamp(min=0)
+        self.ready |= torch.rand(S, n_pages, generator=self.g) < fraction
+        self.ready[torch.arange(S), last] = True
+        self.page_table.copy_(torch.where(self.ready.to(self.dev), self.page_starts, -1))
+
+    def selections(self, slot_ids: torch.Tensor) -> torch.Tensor:
+        """K distinct top-k rows per query, shared working set across queries, -1 padding."""
+        case, P = self.case, self.P
+        n, K, k = case.batch, case.queries, case.top_k
+        scores = torch.rand(n, K, P, generator=self.g).to(self.dev)
+        scores += 1.0 * self.working[slot_ids.long()][:, None, :]
+        length = self.lengths[slot_ids.long()][:, None, None]
+        scores = torch.where(torch.arange(P, device=self.dev) < length, scores, -1.0)
+        sel = scores.topk(k, dim=-1).indices
+        return torch.where(sel < length, sel, -1).int()
+
+    def drift(self):
+        flip = torch.rand(self.working.shape, generator=self.g).to(self.dev) < 0.1
+        self.working ^= flip & (torch.rand(self.working.shape, generator=self.g).to(self.dev) < 0.5)
+
+
+def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_rows,
+             gather_reference, sync) -> dict:
+    s = setup
+    common = (s.page_table, s.page_size)
+    sync()
+    t0 = time.perf_counter()
+    got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_rows, s.lru_order, s.hot_slot_of,
+                  s.staging_rows, s.host_base)
+    sync()
+    t1 = time.perf_counter()
+    locations, miss_src, miss_dst, miss_count, counters = got
+    before = s.device_rows.clone()
+    gather_rows(s.host_rows, s.device_rows, miss_src, miss_dst, miss_count)
+    sync()
+    t2 = time.perf_counter()
+    hp, lo, hs = s.shadow
+    want = resolve_reference(sel, slot_ids, *common, hp, s.hot_rows, lo, hs, s.staging_rows,
+                             s.host_base)
+    errors = []
+    for name, a, b in zip(("locations", "miss_src", "miss_dst", "miss_count", "counters"), got, want):
+        if not torch.equal(a, b):
+            errors.append(f"{name}: {int((a != b).sum())} entries differ")
+    for name, a, b in zip(("hot_pos", "lru_order", "hot_slot_of"),
+                          (s.hot_pos, s.lru_order, s.hot_slot_of), s.shadow):
+        if not torch.equal(a, b):
+            errors.append(f"{name}: {int((a != b).sum())} entries differ")
+    gather_reference(s.truth, before, miss_src, miss_dst, miss_count)  # oracle on the device copy
+    if not torch.equal(before, s.device_rows):
+        errors.append(f"gather: {int((before != s.device_rows).any(-1).sum())} device rows differ")
+    del before
+    bad_bytes = bad_pad = 0
+    for n in range(sel.shape[0]):
+        valid = sel[n] >= 0
+        bad_pad += int((locations[n][~valid] != -1).sum())
+        loc = locations[n][valid].long()
+        src = s.host_base[slot_ids[n].long()] + sel[n][valid].long()
+        if loc.numel() and (loc.min() < 0 or loc.max() >= s.device_rows.shape[0]):
+            bad_bytes += int(((loc < 0) | (loc >= s.device_rows.shape[0])).sum())
+            continue
+        bad_bytes += int((s.device_rows[loc] != s.truth[src]).any(-1).sum())
+    if bad_bytes:
+        errors.append(f"bytes: {bad_bytes} selections read wrong rows")
+    if bad_pad:
+        errors.append(f"padding: {bad_pad} padded selections have a location")
+    c = counters.sum(0).tolist()
+    fetched = int(miss_count.sum())
+    moved = fetched * s.case.row_bytes
+    return dict(direct=c[0], hot=c[1], host=c[2], fetched=fetched,
+                staged=int((miss_dst >= s.stage_start).sum()),
+                resolve_ms=round((t1 - t0) * 1e3, 3), gather_ms=round((t2 - t1) * 1e3, 3),
+                gather_gbps=round(moved / max(t2 - t1, 1e-9) / 1e9, 2),
+                ok=not errors, errors=errors)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--calls", type=int, default=3, help="consecutive calls per configuration")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host-pool-gib", type=float, default=HOST_POOL_GIB)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_correctness.json"))
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        if not args.small:
+            print("no CUDA device: run with --small (and TRITON_INTERPRET=1) on CPU", file=sys.stderr)
+            return 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(ROOT))
+    import triton
+
+    from triton_kernels import gather_reference, gather_rows, resolve, resolve_reference
+
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    dev = "cuda" if cuda and not interpret else "cpu"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    pool_bytes = int((0.01 if args.small else args.host_pool_gib) * 2**30)
+    print(f"host pool {pool_bytes / 2**30:.2f} GiB {'pinned' if dev == 'cuda' else '(cpu)'}", flush=True)
+    # random bytes made on the device (fast), then kept in pinned memory
+    pool = torch.empty(pool_bytes, dtype=torch.uint8, pin_memory=dev == "cuda")
+    gen_dev = torch.Generator(device=dev).manual_seed(args.seed)
+    for start in range(0, pool_bytes, 2**28):
+        end = min(pool_bytes, start + 2**28)
+        pool[start:end].copy_(torch.randint(0, 256, (end - start,), dtype=torch.uint8, device=dev,
+                                            generator=gen_dev))
+
+    all_cases = cases(args.small)
+    header = (f"{'case':<24} {'call':>4} {'direct':>8} {'hot':>8} {'host':>8} {'fetched':>8} "
+              f"{'staged':>7} {'res ms':>8} {'gat ms':>8} {'GB/s':>6}  result")
+    print(header)
+    print("-" * len(header))
+    started = time.perf_counter()
+    for index, case in enumerate(all_cases):
+        g = torch.Generator().manual_seed(args.seed * 1000 + index)
+        setup = Setup(case, pool, dev, g, args.small)
+        slot_ids = torch.randperm(setup.S, generator=g)[:case.batch].int().to(dev)
+        # compile outside the timed calls, on throwaway copies of the state
+        warm = setup.selections(slot_ids)
+        scratch = [t.clone() for t in (setup.hot_pos, setup.lru_order, setup.hot_slot_of)]
+        out = resolve(warm, slot_ids, setup.page_table, setup.page_size, scratch[0], setup.hot_rows,
+                      scratch[1], scratch[2], setup.staging_rows, setup.host_base)
+        gather_rows(setup.host_rows, setup.device_rows.clone(), out[1], out[2], out[3])
+        for call in range(args.calls):
+            setup.set_direct(DIRECT_FRACTIONS[min(call, len(DIRECT_FRACTIONS) - 1)])
+            sel = setup.selections(slot_ids)
+            r = run_call(setup, sel, slot_ids, resolve, resolve_reference, gather_rows,
+                         gather_reference, sync)
+            case.calls.append(r)
+            case.passed &= r["ok"]
+            print(f"{case.name:<24} {call:>4} {r['direct']:>8} {r['hot']:>8} {r['host']:>8} "
+                  f"{r['fetched']:>8} {r['staged']:>7} {r['resolve_ms']:>8.2f} {r['gather_ms']:>8.2f} "
+                  f"{r['gather_gbps']:>6.1f}  {'ok' if r['ok'] else 'FAIL ' + '; '.join(r['errors'])}",
+                  flush=True)
+            setup.drift()
+        del setup
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    passed = all(c.passed for c in all_cases)
+    result = dict(
+        device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (TRITON_INTERPRET=1)",
+        torch=torch.__version__, triton=triton.__version__,
+        date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        small=args.small, seed=args.seed, calls_per_case=args.calls, page_size=PAGE_SIZE if not args.small else 4,
+        host_pool_gib=round(pool_bytes / 2**30, 3), seconds=round(time.perf_counter() - started, 1),
+        passed=passed,
+        cases=[dict(name=c.name, **{k: v for k, v in asdict(c).items()}) for c in all_cases],
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    n_fail = sum(not c.passed for c in all_cases)
+    print(f"\n{len(all_cases) - n_fail}/{len(all_cases)} configurations passed "
+          f"in {result['seconds']} s; wrote {out}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
