@@ -1,0 +1,384 @@
+"""Triton ``resolve`` against ``resolve_reference``: every output, every state tensor,
+bit for bit, over call sequences; then the bytes at every returned location
+(after ``gather_rows``) against the ground-truth rows.
+
+Without a GPU the kernel runs in Triton's interpreter (conftest), so shapes stay small.
+"""
+import importlib
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from triton_kernels import gather_rows, resolve, resolve_reference
+from triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+OUTPUT_NAMES = ("locations", "miss_src", "miss_dst", "miss_count", "counters")
+STATE_NAMES = ("hot_pos", "lru_order", "hot_slot_of")
+
+
+def assert_same(name, got, want, context=""):
+    """Exact equality with the first mismatches spelled out (byte rows compared per row)."""
+    assert got.shape == want.shape, f"{name}{context}: shape {list(got.shape)} != {list(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}{context}: dtype {got.dtype} != {want.dtype}"
+    rows = got.dtype == torch.uint8 and got.dim() == 2
+    diff = (got != want).any(-1) if rows else (got != want)
+    if not diff.any():
+        return
+    lines = []
+    for i in diff.nonzero()[:8].tolist():
+        g, w = got[tuple(i)].tolist(), want[tuple(i)].tolist()
+        if rows:
+            g, w = g[:16], w[:16]
+        lines.append(f"  [{', '.join(map(str, i))}]: got {g} want {w}")
+    raise AssertionError(f"{name}{context}: {int(diff.sum())} of {diff.numel()} "
+                         f"{'rows' if rows else 'entries'} differ\n" + "\n".join(lines))
+
+
+class World:
+    """A small hierarchy with ground truth: host pool, direct pages, hot cache, staging.
+
+    Device rows are laid out as [hot rows of all slots | direct pages | staging],
+    each region shuffled so that row numbers carry no accidental structure.
+    """
+
+    def __init__(self, *, slots=4, budget=8, positions=64, page_size=4, row_bytes=16,
+                 batch=2, width=8, staging_extra=0, seed=0, lengths=None):
+        g = torch.Generator().manual_seed(seed)
+        self.g = g
+        self.S, self.B, self.P, self.page_size = slots, budget, positions, page_size
+        self.lengths = lengths or [positions] * slots
+        n_pages = -(-positions // page_size)
+        n_hot, n_direct = slots * budget, slots * n_pages * page_size
+        per_row = max(0, width - budget) + staging_extra
+        n_stage = batch * per_row
+        self.n_dev_rows = n_hot + n_direct + n_stage
+        self.host_rows = torch.randint(0, 256, (slots * positions, row_bytes), generator=g,
+                                       dtype=torch.uint8).to(DEVICE)
+        self.host_base = (torch.randperm(slots, generator=g) * positions).to(DEVICE)
+        self.device_rows = torch.zeros(self.n_dev_rows, row_bytes, dtype=torch.uint8, device=DEVICE)
+        self.hot_rows = (torch.randperm(n_hot, generator=g).int().view(slots, budget)).to(DEVICE)
+        page_starts = n_hot + torch.randperm(slots * n_pages, generator=g).int() * page_size
+        self.page_starts = page_starts.view(slots, n_pages).to(DEVICE)
+        self.page_table = torch.full((slots, n_pages), -1, dtype=torch.int32, device=DEVICE)
+        self.staging_rows = (n_hot + n_direct + torch.randperm(n_stage, generator=g).int()) \
+            .view(batch, per_row).to(DEVICE)
+        self.hot_pos = torch.full((slots, budget), -1, dtype=torch.int32, device=DEVICE)
+        self.hot_slot_of = torch.full((slots, positions), -1, dtype=torch.int32, device=DEVICE)
+        self.lru_order = torch.stack([torch.randperm(budget, generator=g)
+                                      for _ in range(slots)]).int().to(DEVICE)
+        self.ref = None
+
+    def truth(self, slot, pos):
+        return self.host_rows[int(self.host_base[slot]) + pos]
+
+    def make_direct(self, slot, pages):
+        """Pages become ready on the device (tail / optional history)."""
+        for p in pages:
+            start = int(self.page_starts[slot, p])
+            self.page_table[slot, p] = start
+            rows = torch.arange(p * self.page_size, min((p + 1) * self.page_size, self.P))
+            self.device_rows[start:start + len(rows)] = self.truth(slot, rows.to(DEVICE))
+
+    def warm(self, slot, positions):
+        """Places rows in the hot cache directly (consistent state, truth bytes copied)."""
+        free = (self.hot_pos[slot] < 0).nonzero().flatten().tolist()
+        for pos, b in zip(positions, free):
+            self.hot_pos[slot, b] = pos
+            self.hot_slot_of[slot, pos] = b
+            self.device_rows[int(self.hot_rows[slot, b])] = self.truth(slot, pos)
+
+    def state(self):
+        return [self.hot_pos, self.lru_order, self.hot_slot_of]
+
+    def selections(self, slot_ids, queries, top_k, *, pad=0.1, dup=0.2, pad_query=False,
+                   lo=0, hi=None):
+        """Random request-local rows in [lo, min(hi, length)) with -1 padding and duplicates."""
+        g = self.g
+        sel = torch.empty(len(slot_ids), queries, top_k, dtype=torch.int32)
+        for n, s in enumerate(slot_ids):
+            top = min(self.lengths[s], hi if hi is not None else self.P)
+            span = max(1, top - lo)
+            rows = lo + torch.randint(0, span, (queries, top_k), generator=g)
+            # duplicates: copy entries from other queries / positions of the same request
+            copy = torch.rand(queries, top_k, generator=g) < dup
+            src = rows.flatten()[torch.randint(0, queries * top_k, (queries, top_k), generator=g)]
+            rows = torch.where(copy, src, rows)
+            rows = torch.where(torch.rand(queries, top_k, generator=g) < pad, -1, rows)
+            if pad_query:
+                rows[torch.randint(0, queries, (1,), generator=g)] = -1
+            sel[n] = rows.int()
+        return sel.to(DEVICE)
+
+    def call(self, sel, slot_ids, *, check_bytes=True, context=""):
+        """resolve vs resolve_reference on a shadow copy of the state; gather; byte check."""
+        if self.ref is None:
+            self.ref = [t.clone() for t in self.state()]
+        slot_t = torch.tensor(slot_ids, dtype=torch.int32, device=DEVICE)
+        args = (self.page_table, self.page_size)
+        tail = (self.staging_rows, self.host_base)
+        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.lru_order,
+                      self.hot_slot_of, *tail)
+        hp, lo, hs = self.ref
+        want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, lo, hs, *tail)
+        ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
+            else f" ({context}; slots {slot_ids})"
+        for name, a, b in zip(OUTPUT_NAMES, got, want):
+            assert_same(name, a, b, ctx)
+        for name, a, b in zip(STATE_NAMES, self.state(), self.ref):
+            assert_same(name, a, b, ctx)
+        if check_bytes:
+            locations, miss_src, miss_dst, miss_count, _ = got
+            gather_rows(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
+            self.check_bytes(sel, slot_ids, locations, ctx)
+            self.check_cache(ctx)
+        return got
+
+    def check_bytes(self, sel, slot_ids, locations, ctx=""):
+        for n, s in enumerate(slot_ids):
+            valid = sel[n] >= 0
+            assert_same("locations of padding", locations[n][~valid],
+                        torch.full_like(locations[n][~valid], -1), ctx)
+            got = self.device_rows[locations[n][valid].long()]
+            want = self.truth(s, sel[n][valid].long())
+            assert_same(f"device bytes of batch row {n} (slot {s})", got, want, ctx)
+
+    def check_cache(self, ctx=""):
+        """Every hot slot holds the bytes of its row; hot_slot_of is its inverse."""
+        for s in range(self.S):
+            held = (self.hot_pos[s] >= 0).nonzero().flatten()
+            pos = self.hot_pos[s, held].long()
+            assert_same(f"hot_slot_of inverse (slot {s})", self.hot_slot_of[s, pos], held.int(), ctx)
+            assert int((self.hot_slot_of[s] >= 0).sum()) == held.numel(), f"stale hot_slot_of{ctx}"
+            assert_same(f"hot bytes (slot {s})", self.device_rows[self.hot_rows[s, held].long()],
+                        self.truth(s, pos), ctx)
+            assert sorted(self.lru_order[s].tolist()) == list(range(self.B)), \
+                f"lru_order of slot {s} is not a permutation{ctx}"
+
+
+def test_cold_cache_all_miss():
+    w = World(budget=32, width=16)
+    sel = w.selections([1, 2], 2, 8, pad=0.0, dup=0.0)
+    locations, _, _, miss_count, counters = w.call(sel, [1, 2])
+    assert (counters[:, COUNTER_HOST] == 16).all() and (counters[:, COUNTER_HOT] == 0).all()
+    assert torch.equal(counters[:, COUNTER_FETCHED], miss_count)
+
+
+def test_all_hit_after_warmup():
+    w = World(budget=16, width=8)
+    sel = w.selections([0, 3], 2, 4, pad=0.0)
+    w.call(sel, [0, 3], context="warm-up")
+    _, _, _, miss_count, counters = w.call(sel.flip(-1), [0, 3], context="all hit")
+    assert (miss_count == 0).all()
+    assert torch.equal(counters[:, COUNTER_HOT], (sel >= 0).flatten(1).sum(1).int())
+
+
+def test_duplicates_within_and_across_queries():
+    w = World(budget=16, width=12, positions=40)
+    sel = w.selections([2, 1], 3, 4, dup=0.7, hi=10)
+    _, _, _, miss_count, counters = w.call(sel, [2, 1])
+    assert (counters[:, COUNTER_HOST] > miss_count).any(), "test needs shared misses"
+
+
+def test_padding_including_whole_query_and_whole_row():
+    w = World(budget=8, width=12, batch=3)
+    sel = w.selections([0, 1, 2], 3, 4, pad=0.4, pad_query=True)
+    sel[2] = -1
+    locations, _, _, miss_count, counters = w.call(sel, [0, 1, 2])
+    assert int(miss_count[2]) == 0 and (counters[2] == 0).all()
+    assert (locations[2] == -1).all()
+
+
+def test_union_larger_than_hot_cache_overflows_to_staging():
+    w = World(budget=4, width=16, positions=64, staging_extra=3)
+    sel = w.selections([0, 1], 2, 8, pad=0.0, dup=0.0)
+    _, _, miss_dst, miss_count, _ = w.call(sel, [0, 1])
+    assert (miss_count > 4).all()
+    for n in range(2):
+        assert torch.equal(miss_dst[n, 4:int(miss_count[n])],
+                           w.staging_rows[n, :int(miss_count[n]) - 4])
+
+
+def test_zero_budget_everything_stages():
+    w = World(budget=0, width=8)
+    w.call(w.selections([0, 1], 2, 4), [0, 1])
+    w.call(w.selections([0, 1], 2, 4), [0, 1])
+
+
+def test_budget_equals_top_k():
+    w = World(budget=8, width=16, positions=32, staging_extra=0)
+    for step in range(3):
+        w.call(w.selections([3, 0], 2, 8, dup=0.1), [3, 0], context=f"step {step}")
+
+
+def test_request_shorter_than_top_k():
+    w = World(budget=16, width=16, positions=48, lengths=[5, 48, 3, 48])
+    for step in range(2):
+        sel = w.selections([0, 2], 2, 8, pad=0.0)
+        sel[0, :, 5:] = -1
+        sel[1, :, 3:] = -1
+        sel[0, :, :5] = torch.arange(5, dtype=torch.int32)
+        w.call(sel, [0, 2], context=f"step {step}")
+
+
+def test_sequence_lru_evolves():
+    """Many calls on the same state: hits protect slots, fills evict the least recent."""
+    w = World(budget=12, width=8, positions=40, slots=3, batch=2)
+    for step in range(8):
+        slots = [[0, 1], [1, 2], [2, 0]][step % 3]
+        sel = w.selections(slots, 2, 4, hi=20 if step % 2 else None)
+        w.call(sel, slots, context=f"step {step}")
+
+
+def test_mixed_direct_hot_host_with_growing_direct_coverage():
+    w = World(budget=10, width=12, positions=48, page_size=4, slots=3, batch=3)
+    w.make_direct(0, [11])  # tail page
+    w.make_direct(1, [0, 5, 11])
+    w.warm(2, [3, 7, 8, 20, 41])
+    counts = torch.zeros(4, dtype=torch.int64)
+    for step in range(5):
+        sel = w.selections([2, 0, 1], 3, 4)
+        _, _, _, _, counters = w.call(sel, [2, 0, 1], context=f"step {step}")
+        counts += counters.sum(0).cpu()
+        w.make_direct(step % 3, [step, step + 6])  # optional history becomes ready
+    assert (counts[[COUNTER_DIRECT, COUNTER_HOT, COUNTER_HOST]] > 0).all(), counts
+
+
+@pytest.mark.parametrize("row_bytes", [1, 37, 584, 656])
+def test_row_widths(row_bytes):
+    w = World(budget=6, width=8, row_bytes=row_bytes, positions=24)
+    w.make_direct(1, [5])
+    for step in range(2):
+        w.call(w.selections([1, 0], 2, 4), [1, 0], context=f"step {step}")
+
+
+def test_batch_slots_are_a_permutation():
+    w = World(slots=5, budget=6, width=8, batch=5, positions=30)
+    w.make_direct(3, [7])
+    for step, perm in enumerate(([4, 2, 0, 3, 1], [0, 1, 2, 3, 4], [1, 3, 4, 0, 2])):
+        w.call(w.selections(perm, 2, 4), perm, context=f"step {step}")
+
+
+def test_subset_of_slots_leaves_others_untouched():
+    w = World(slots=4, budget=6, width=8, batch=1)
+    w.warm(2, [1, 2, 3])
+    before = [t.clone() for t in w.state()]
+    w.call(w.selections([0], 2, 4), [0])
+    for name, a, b in zip(STATE_NAMES, w.state(), before):
+        assert_same(name + " of other slots", a[1:], b[1:])
+
+
+def test_empty_batch_and_empty_queries():
+    w = World(batch=1)
+    out = w.call(torch.empty(0, 2, 4, dtype=torch.int32, device=DEVICE), [], check_bytes=False)
+    assert all(t.shape[0] == 0 for t in out)
+    w.call(torch.empty(1, 0, 4, dtype=torch.int32, device=DEVICE), [1], check_bytes=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    queries, top_k, slots = r(1, 3), r(1, 9), r(2, 5)
+    batch = r(1, slots)
+    w = World(slots=slots, budget=r(0, 14), positions=r(8, 60), page_size=r(1, 8),
+              row_bytes=r(1, 24), batch=batch, width=queries * top_k, staging_extra=r(0, 2),
+              seed=seed)
+    for s in range(slots):
+        n_pages = w.page_table.shape[1]
+        w.make_direct(s, torch.randperm(n_pages, generator=g)[:r(0, n_pages // 2)].tolist())
+    for step in range(3):
+        slot_ids = torch.randperm(slots, generator=g)[:batch].tolist()
+        sel = w.selections(slot_ids, queries, top_k, pad=0.3 * (step == 1), dup=0.3)
+        w.call(sel, slot_ids, context=f"seed {seed} step {step}")
+
+
+def test_wide_sort_keys(monkeypatch):
+    """int64 (pos << 32 | j) keys, used when P * K*k does not fit int32."""
+    resolve_module = importlib.import_module("triton_kernels.resolve")
+    monkeypatch.setattr(resolve_module, "_NARROW_KEY_LIMIT", 0)
+    w = World(budget=6, width=12, positions=40, slots=3, batch=2)
+    w.make_direct(2, [3])
+    for step in range(3):
+        w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_hypothesis_adversarial(data):
+    """Small universes where collisions between hits, misses and padding are frequent."""
+    budget = data.draw(st.integers(0, 6), label="budget")
+    positions = data.draw(st.integers(1, 12), label="positions")
+    queries = data.draw(st.integers(1, 3), label="queries")
+    top_k = data.draw(st.integers(1, 5), label="top_k")
+    w = World(slots=2, budget=budget, positions=positions, page_size=data.draw(st.integers(1, 4)),
+              batch=2, width=queries * top_k, row_bytes=3)
+    w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
+    for step in range(data.draw(st.integers(1, 3), label="calls")):
+        rows = data.draw(st.lists(st.integers(-1, positions - 1), min_size=2 * queries * top_k,
+                                  max_size=2 * queries * top_k), label=f"selections {step}")
+        sel = torch.tensor(rows, dtype=torch.int32, device=DEVICE).view(2, queries, top_k)
+        slot_ids = data.draw(st.permutations([0, 1]), label=f"slots {step}")
+        w.call(sel, slot_ids, context=f"step {step}")
+
+
+# --- bad input -------------------------------------------------------------------------
+
+def _good_args(w, n=2, queries=2, top_k=4):
+    sel = w.selections(list(range(n)), queries, top_k)
+    return dict(selections=sel, slot_ids=torch.arange(n, dtype=torch.int32, device=DEVICE),
+                page_table=w.page_table, page_size=w.page_size, hot_pos=w.hot_pos,
+                hot_rows=w.hot_rows, lru_order=w.lru_order, hot_slot_of=w.hot_slot_of,
+                staging_rows=w.staging_rows, host_base=w.host_base)
+
+
+@pytest.mark.parametrize("name,bad,needle", [
+    ("selections", lambda a: a["selections"].long(), "int32"),
+    ("selections", lambda a: a["selections"][0], r"\[N, K, k\]"),
+    ("selections", lambda a: a["selections"].transpose(1, 2), "contiguous"),
+    ("slot_ids", lambda a: a["slot_ids"].long(), "int32"),
+    ("slot_ids", lambda a: a["slot_ids"][:1], r"shape \[2\]"),
+    ("page_table", lambda a: a["page_table"].long(), "int32"),
+    ("page_table", lambda a: a["page_table"][:1], "shape"),
+    ("page_size", lambda a: 0, "positive int"),
+    ("page_size", lambda a: 4.0, "positive int"),
+    ("hot_pos", lambda a: a["hot_pos"].float(), "int32"),
+    ("hot_rows", lambda a: a["hot_rows"][:, :-1], "shape"),
+    ("lru_order", lambda a: a["lru_order"].to(torch.int16), "int32"),
+    ("hot_slot_of", lambda a: a["hot_slot_of"][:-1], "shape"),
+    ("hot_slot_of", lambda a: a["hot_slot_of"].t(), "shape|contiguous"),
+    ("staging_rows", lambda a: a["staging_rows"][:, :3], ">= K\\*k - B"),
+    ("staging_rows", lambda a: a["staging_rows"][:1], ">= N = 2 rows"),
+    ("host_base", lambda a: a["host_base"].int(), "int64"),
+    ("host_base", lambda a: a["host_base"].to("meta"), "device|meta"),
+    ("hot_pos", lambda a: a["hot_pos"].to("meta"), "device|meta"),
+])
+def test_bad_input_names_the_argument(name, bad, needle):
+    w = World(budget=4, width=8, staging_extra=0)
+    args = _good_args(w)
+    args[name] = bad(args)
+    with pytest.raises(ValueError, match=needle) as e:
+        resolve(**args)
+    assert name in str(e.value)
+
+
+def test_cpu_tensors_need_interpreter(monkeypatch):
+    w = World(budget=4, width=8)
+    args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="selections.*CUDA"):
+        resolve(**args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mismatched_devices_cuda():
+    w = World(budget=4, width=8)
+    args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
+    args["lru_order"] = args["lru_order"].cpu()
+    with pytest.raises(ValueError, match="lru_order"):
+        resolve(**args)
