@@ -4,9 +4,9 @@ For rows of 584 / 656 / 2432 B, batch 8 / 32 / 160 and 512 / 2048 distinct
 misses per request (random rows of each request's contiguous host region,
 ascending as the resolver emits them, to random distinct device rows):
 
-* ``triton``: ``triton_kernels.gather.gather_rows`` (zero-copy reads of pinned
+* ``triton``: ``vllm_dhisparse.triton_kernels.gather.gather_rows`` (zero-copy reads of pinned
   host memory), timed with CUDA events (graph replay where capture works);
-* ``torch``: ``triton_kernels.reference.gather_reference`` (CPU index_select
+* ``torch``: ``vllm_dhisparse.triton_kernels.reference.gather_reference`` (CPU index_select
   of the pinned pool, then ``copy_`` to the device and a device scatter),
   timed with the wall clock;
 * ``memcpy``: one pinned ``copy_`` of the same number of bytes, contiguous:
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     if dev.type == "cpu" and not C.interpreting():
         print("no CUDA: run with TRITON_INTERPRET=1 --smoke")
         return 2
-    from triton_kernels.gather import gather_rows
-    from triton_kernels.reference import gather_reference
+    from vllm_dhisparse.triton_kernels.gather import gather_rows
+    from vllm_dhisparse.triton_kernels.reference import gather_reference
     meta = C.metadata()
     print(f"# bench_gather on {meta['device']} ({meta['date_utc']})")
     pinned = C.pinned_h2d_gbps(1 << 30 if not args.smoke else 1 << 20)

@@ -12,7 +12,7 @@ B = 2k..16k, batch 8 and 160.  *direct*: every selected row is in a published
 direct-map page; *scan*: no direct map, every selected row in the hot cache.
 Each with 0 or 77 host misses per request.
 
-Every configuration is checked once against ``triton_kernels.reference``
+Every configuration is checked once against ``vllm_dhisparse.triton_kernels.reference``
 (outputs, state updates, payload) before it is timed; a mismatch exits 1.
 Timing: see ``benchmarks/common.py`` (state restored before every iteration,
 outside the events).

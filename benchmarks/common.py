@@ -94,12 +94,12 @@ def interpreting() -> bool:
 # ------------------------------------------------------------------ kernels
 def load_impl(impl: str):
     """(resolve_fn, gather_fn) for ``triton`` or ``reference``."""
-    from triton_kernels import reference
+    from vllm_dhisparse.triton_kernels import reference
     if impl == "reference":
         return reference.resolve_reference, reference.gather_reference
     if impl == "triton":
-        from triton_kernels.gather import gather_rows
-        from triton_kernels.resolve import resolve
+        from vllm_dhisparse.triton_kernels.gather import gather_rows
+        from vllm_dhisparse.triton_kernels.resolve import resolve
         return resolve, gather_rows
     raise ValueError(f"impl {impl!r} is not one of ('triton', 'reference')")
 
@@ -372,7 +372,7 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
     state; compares outputs and state updates exactly, then checks the payload
     eq. 12 on a random sample of selections.  Restores the state afterwards.
     Returns a dict with ``ok`` and a message."""
-    from triton_kernels.reference import resolve_reference
+    from vllm_dhisparse.triton_kernels.reference import resolve_reference
     st.restore()
     ref_tables = st.clone_tables()
     ref_args = (selections, slot_ids, st.page_table, st.page_size, ref_tables["hot_pos"],

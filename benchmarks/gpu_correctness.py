@@ -199,7 +199,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     import triton
 
-    from triton_kernels import gather_reference, gather_rows, resolve, resolve_reference
+    from vllm_dhisparse.triton_kernels import gather_reference, gather_rows, resolve, resolve_reference
 
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     dev = "cuda" if cuda and not interpret else "cpu"

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from triton_kernels import gather_reference, gather_rows
-from triton_kernels.gather import default_blocks_per_row
+from vllm_dhisparse.triton_kernels import gather_reference, gather_rows
+from vllm_dhisparse.triton_kernels.gather import default_blocks_per_row
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"

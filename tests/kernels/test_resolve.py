@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from triton_kernels import gather_rows, resolve, resolve_reference
-from triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
+from vllm_dhisparse.triton_kernels import gather_rows, resolve, resolve_reference
+from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -299,7 +299,7 @@ def test_random_sequences(seed):
 
 def test_wide_sort_keys(monkeypatch):
     """int64 (pos << 32 | j) keys, used when P * K*k does not fit int32."""
-    resolve_module = importlib.import_module("triton_kernels.resolve")
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_NARROW_KEY_LIMIT", 0)
     w = World(budget=6, width=12, positions=40, slots=3, batch=2)
     w.make_direct(2, [3])
