@@ -3,7 +3,7 @@ waiting, bounded round-robin repopulation, the tail, release, optional residency
 import pytest
 import torch
 
-from triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED
+from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
 from vllm_dhisparse.hierarchy.invariants import check_invariants

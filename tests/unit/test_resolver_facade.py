@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
+from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.invariants import check_invariants
 

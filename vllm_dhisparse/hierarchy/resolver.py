@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from triton_kernels import reference
-from triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
+from vllm_dhisparse.triton_kernels import reference
+from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
                                       COUNTER_HOT, NUM_COUNTERS)
 
 from .source_state import SourceState
@@ -70,8 +70,8 @@ class Resolver:
         self.host_rows = host_rows
         self.backend = _pick_backend(backend, device_rows.device)
         if self.backend == "triton":
-            from triton_kernels.gather import gather_rows
-            from triton_kernels.resolve import resolve
+            from vllm_dhisparse.triton_kernels.gather import gather_rows
+            from vllm_dhisparse.triton_kernels.resolve import resolve
             self._resolve, self._gather = resolve, gather_rows
         else:
             self._resolve, self._gather = reference.resolve_reference, reference.gather_reference

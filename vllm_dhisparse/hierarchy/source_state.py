@@ -13,7 +13,7 @@ Tables, all on the pool's device:
   ready vs allocated).
 * ``hot_pos / hot_rows / lru_order [S, B] int32`` and
   ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache with exact LRU
-  (see ``triton_kernels/reference.py`` for the update rule).
+  (see ``vllm_dhisparse/triton_kernels/reference.py`` for the update rule).
 * ``seq_lens [S] int32`` — rows of history per slot (selections must be below).
 * ``host_base [S] int64`` — host row of the slot's row 0 in the host store.
 
