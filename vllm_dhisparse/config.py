@@ -26,6 +26,7 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "optional_residency": (bool, True, None, "keep imported history on device while memory is spare"),
     "eager_backup": (bool, False, None, "back up imported history at admission instead of deferring it"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
+    "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
     "debug_corrupt_mapping": (bool, False, None, "TEST ONLY: shift one resolved location so outputs must differ"),
     "debug_fail_backup_of": (str, "", None, "TEST ONLY: request id (prefix) whose host backup fails"),
 }
@@ -43,6 +44,7 @@ class DHiSparseConfig:
     optional_residency: bool = True
     eager_backup: bool = False
     resolver_backend: str = "auto"
+    stats_file: str = ""
     debug_corrupt_mapping: bool = False
     debug_fail_backup_of: str = ""
 

@@ -5,6 +5,13 @@ only hands pages out and takes them back; *what* a page holds (hot cache, tail,
 optional history, staging) and whether it is required or reclaimable is the
 residency manager's business.  Allocation returns ``None`` when there is no
 room, never raises: "not now" is an ordinary answer.
+
+Row layout.  A row may be stored as several byte *segments* in separate
+planes: DeepSeek-V4's fp8_ds_mla rows are 576 data bytes + 8 scale bytes, and
+its attention op reads a block as ``[rows x 576][rows x 8]``.  With
+``segments=(576, 8)`` the pool's storage is exactly that layout with the whole
+pool as one block, so attention reads the pool in place.  Locations are the
+same for every segment; ``read`` / ``write`` move whole logical rows.
 """
 from __future__ import annotations
 
@@ -13,20 +20,57 @@ import torch
 
 class DevicePagePool:
     def __init__(self, *, name: str, num_pages: int, page_size: int, row_bytes: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", segments: tuple[int, ...] | None = None):
         if num_pages <= 0 or page_size <= 0 or row_bytes <= 0:
             raise ValueError(f"device pool {name!r}: num_pages={num_pages}, page_size={page_size}, "
                              f"row_bytes={row_bytes} must all be > 0")
+        segments = tuple(segments) if segments else (row_bytes,)
+        if sum(segments) != row_bytes or min(segments) <= 0:
+            raise ValueError(f"device pool {name!r}: segments {segments} must be positive and sum "
+                             f"to row_bytes={row_bytes}")
         self.name = name
         self.num_pages = num_pages
         self.page_size = page_size
         self.row_bytes = row_bytes
         self.device = torch.device(device)
-        self.rows = torch.zeros((num_pages * page_size, row_bytes), dtype=torch.uint8, device=self.device)
+        self.num_rows = num_pages * page_size
+        self.storage = torch.zeros(self.num_rows * row_bytes, dtype=torch.uint8, device=self.device)
+        # (first byte of the segment inside a logical row, plane [num_rows, seg_bytes])
+        self.segments: list[tuple[int, torch.Tensor]] = []
+        offset = start = 0
+        for seg in segments:
+            plane = self.storage[offset:offset + self.num_rows * seg].view(self.num_rows, seg)
+            self.segments.append((start, plane))
+            offset += self.num_rows * seg
+            start += seg
         # Lowest page first keeps allocation deterministic (tests replay sequences).
         self._free = list(range(num_pages - 1, -1, -1))
         self._used: set[int] = set()
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """The row plane when rows are stored whole.  # [num_rows, row_bytes] uint8"""
+        if len(self.segments) != 1:
+            raise AttributeError(f"device pool {self.name!r} stores rows in {len(self.segments)} "
+                                 f"segments; use read()/write()")
+        return self.segments[0][1]
+
+    def write(self, locs: torch.Tensor, data: torch.Tensor, non_blocking: bool = False) -> None:
+        """``row[locs[i]] = data[i]`` for logical rows.  locs [n] int, data [n, row_bytes] uint8."""
+        locs = locs.to(self.device, torch.int64)
+        for start, plane in self.segments:
+            plane[locs] = data[:, start:start + plane.shape[1]].to(self.device, non_blocking=non_blocking)
+
+    def write_range(self, first: int, data: torch.Tensor) -> None:
+        for start, plane in self.segments:
+            plane[first:first + data.shape[0]] = data[:, start:start + plane.shape[1]].to(self.device)
+
+    def read(self, locs: torch.Tensor) -> torch.Tensor:
+        """Logical rows at ``locs``.  # [n, row_bytes] uint8"""
+        locs = locs.to(self.device, torch.int64)
+        return torch.cat([plane[locs] for _, plane in self.segments], dim=1)
+
+    # -- pages -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         if n < 0:
             raise ValueError(f"device pool {self.name!r}: cannot allocate {n} pages")
@@ -41,7 +85,7 @@ class DevicePagePool:
             if p not in self._used:
                 raise ValueError(f"device pool {self.name!r}: page {p} is not allocated")
             self._used.remove(p)
-        self._free.extend(sorted(pages, reverse=True))
+        self._free.extend(pages)
         self._free.sort(reverse=True)
 
     @property

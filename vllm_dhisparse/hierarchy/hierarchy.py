@@ -66,9 +66,9 @@ class KVHierarchy:
                                 max_slots=s.max_slots, max_rows=s.max_rows,
                                 hot_rows_per_slot=s.hot_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
-                                  row_bytes=s.row_bytes, device=device)
+                                  row_bytes=s.row_bytes, device=device, segments=s.segments)
             host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows)
-            resolver = Resolver(state, pool.rows, host.rows, backend=backend)
+            resolver = Resolver(state, pool.segments, host.rows, backend=backend)
             residency = ResidencyManager(
                 state, pool, host, tail_pages=s.tail_pages, staging_rows=s.staging_rows,
                 reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,

@@ -92,7 +92,7 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
             if t is not None:
                 assert t.shape[0] == n, f"{where}: seq_len {n} but truth has {t.shape[0]} rows"
                 if bool(ready.any()):
-                    got = pool.rows[dev_row[ready].to(pool.rows.device)].cpu()
+                    got = pool.read(dev_row[ready]).cpu()
                     bad = (got != t[ready]).any(1)
                     assert not bool(bad.any()), (
                         f"{where}: device copy of row {int(ready.nonzero().flatten()[_first(bad)])} "
@@ -127,7 +127,7 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
             assert torch.equal(hot_dev, expect_hot), \
                 f"{where}: hot_rows {hot_dev.tolist()} are not the request's hot pages {rec.hot}"
             if t is not None and bool(held.any()):
-                got = pool.rows[hot_dev[held].to(pool.rows.device)].cpu()
+                got = pool.read(hot_dev[held]).cpu()
                 bad = (got != t[hot_pos[held]]).any(1)
                 assert not bool(bad.any()), (
                     f"{where}: hot slot {int(held.nonzero().flatten()[_first(bad)])} holds stale bytes "

@@ -155,7 +155,7 @@ class ResidencyManager:
         for page, dev in sorted(rec.optional.items()):
             rows = torch.arange(page * ps, (page + 1) * ps)
             if not bool(backed[rows].all()):
-                data = self.pool.rows[self.pool.page_rows([dev]).to(self.pool.rows.device)]
+                data = self.pool.read(self.pool.page_rows([dev]))
                 issued.append(self.host.prepare_backup(req_id, rows, data))
         for pending in issued:
             self.host.complete_backup(pending)
@@ -205,8 +205,7 @@ class ResidencyManager:
         first_kept = full - keep
         dev_pages = self.pool.allocate(keep)
         for page, dev in zip(range(first_kept, full), dev_pages):
-            self.pool.rows[self.pool.page_rows([dev]).to(self.pool.rows.device)] = \
-                imported[page * ps:(page + 1) * ps].to(self.pool.rows.device)
+            self.pool.write(self.pool.page_rows([dev]), imported[page * ps:(page + 1) * ps])
             rec.optional[page] = dev
             self.source.publish_page(rec.req_id, page, self.pool.first_row(dev))
         if self.eager_backup:
@@ -258,14 +257,14 @@ class ResidencyManager:
             idle = 0
             dev = self.pool.allocate(1)[0]
             rows = torch.arange(page * self.page_size, (page + 1) * self.page_size)
-            dst = self.pool.page_rows([dev]).to(self.pool.rows.device)
+            dst = self.pool.page_rows([dev])
             pending = PendingPage(dev)
-            if self.pool.rows.is_cuda:
-                self.pool.rows[dst] = self.host.read(rec.req_id, rows).to(dst.device, non_blocking=True)
+            if self.pool.device.type == "cuda":
+                self.pool.write(dst, self.host.read(rec.req_id, rows), non_blocking=True)
                 pending.event = torch.cuda.Event()
                 pending.event.record()
             else:
-                self.pool.rows[dst] = self.host.read(rec.req_id, rows)
+                self.pool.write(dst, self.host.read(rec.req_id, rows))
             rec.pending[page] = pending
             issued += 1
         return issued

@@ -55,20 +55,26 @@ class ResolverTotals:
 
 
 class Resolver:
-    def __init__(self, source: SourceState, device_rows: torch.Tensor, host_rows: torch.Tensor,
+    def __init__(self, source: SourceState, device_rows, host_rows: torch.Tensor,
                  backend: str = "auto"):
-        if device_rows.dtype != torch.uint8 or device_rows.dim() != 2 \
-                or device_rows.shape[1] != source.row_bytes:
-            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}], got "
-                             f"{device_rows.dtype} {tuple(device_rows.shape)}")
+        """``device_rows``: the pool's row tensor ``uint8 [R, row_bytes]``, or its segment
+        planes ``[(first byte, uint8 [R, seg_bytes]), ...]`` (see ``DevicePagePool``)."""
+        if isinstance(device_rows, torch.Tensor):
+            device_rows = [(0, device_rows)]
+        widths = [plane.shape[1] if plane.dim() == 2 else -1 for _, plane in device_rows]
+        if any(p.dtype != torch.uint8 or p.dim() != 2 for _, p in device_rows) \
+                or sum(widths) != source.row_bytes:
+            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}] (or segment planes "
+                             f"summing to it), got widths {widths}")
         if host_rows.dtype != torch.uint8 or host_rows.dim() != 2 \
                 or host_rows.shape[1] != source.row_bytes:
             raise ValueError(f"host_rows must be uint8 [rows, {source.row_bytes}], got "
                              f"{host_rows.dtype} {tuple(host_rows.shape)}")
         self.source = source
-        self.device_rows = device_rows
+        self.planes = device_rows
         self.host_rows = host_rows
-        self.backend = _pick_backend(backend, device_rows.device)
+        device = device_rows[0][1].device
+        self.backend = _pick_backend(backend, device)
         if self.backend == "triton":
             from vllm_dhisparse.triton_kernels.gather import gather_rows
             from vllm_dhisparse.triton_kernels.resolve import resolve
@@ -135,7 +141,9 @@ class Resolver:
         locations, miss_src, miss_dst, miss_count, counters = self._resolve(
             selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
             src.lru_order, src.hot_slot_of, staging_rows, src.host_base)
-        self._gather(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
+        for start, plane in self.planes:  # one gather per plane; host rows are whole
+            self._gather(self.host_rows[:, start:start + plane.shape[1]], plane,
+                         miss_src, miss_dst, miss_count)
         per_call = counters.sum(0, dtype=torch.int64)
         self._totals += per_call
         if n_queries > 1:

@@ -34,6 +34,7 @@ class SourceSpec:
     max_slots: int  # concurrent requests
     max_rows: int  # longest request history
     staging_rows: int = 0  # per-request verification staging (K_max*k - B), 0 = none
+    segments: tuple[int, ...] | None = None  # row split into planes (DevicePagePool), None = whole
 
     def __post_init__(self):
         for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),

@@ -65,7 +65,7 @@ class TailWriter:
                 dev = rec.tail_free.pop()
             take = min(n - i, ps - pos % ps)
             start = self.pool.first_row(dev) + pos % ps
-            self.pool.rows[start:start + take] = rows[i:i + take].to(self.pool.rows.device)
+            self.pool.write_range(start, rows[i:i + take])
             if new_page:  # publish only after the bytes are in place
                 rec.tail[page] = dev
                 src.publish_page(rec.req_id, page, self.pool.first_row(dev))
@@ -81,7 +81,7 @@ class TailWriter:
         for page, dev in sorted(rec.tail.items()):
             if page < complete and page not in in_flight:
                 rows = torch.arange(page * self.page_size, (page + 1) * self.page_size)
-                data = self.pool.rows[self.pool.page_rows([dev]).to(self.pool.rows.device)]
+                data = self.pool.read(self.pool.page_rows([dev]))
                 rec.backups.append((page, self.host.prepare_backup(rec.req_id, rows, data)))
                 issued += 1
         return issued

@@ -4,30 +4,39 @@ One launch, one program (CTA) per batch row, as in SGLang's
 ``load_cache_to_device_buffer_kernel``.  Semantics, outputs and in-place state
 updates are bit-identical to ``reference.resolve_reference`` (the spec).
 
-Phases of one program (batch row n, request slot s), separated by CTA barriers:
+No sort and no pass over the hot cache unless it is needed.  Phases of one
+program (batch row n, request slot s), separated by CTA barriers; the passes
+after phase 1 run only when their counts are non-zero:
 
-  0. zero ``touched[B]`` (scratch)
-  1. per selection, chunked over K*k:  direct page? -> loc;  else hot_slot_of
-     hit (O(1) inverse map) -> loc = hot_rows[slot], touched[slot] = 1;
-     else host: key[j] = pos.  Counters are summed on the way.
-  2. sort (pos, j) packed into one key (int32 when P * K*k < 2**31, else
-     int64) over the whole K*k block; adjacent compare marks the
-     first of each distinct position, cumsum gives its rank r (ascending
-     position = host-address order); miss_src[r] = host_base + pos and
-     key[j] = r for every selecting j.
-  3. pass A over lru_order: number of untouched slots -> n_fill, n_untouched'.
-     pass B: running cumsum of untouched flags gives each untouched slot its
-     victim rank r; r < U fills rank r; the stable partition position of every
-     slot is computed in the same pass (new order into scratch); fills clear
-     hot_slot_of[old position].
-  4. per rank r: fills set hot_pos / hot_slot_of and miss_dst = hot_rows[victim];
-     overflow ranks take staging_rows[n, r - n_fill]; ranks >= U get 0 / -1.
-  5. new lru_order copied back; host selections get loc = miss_dst[key[j]].
+  1. per selection (chunks of BLOCK_W): direct page? -> loc;  else
+     ``hot_slot_of`` hit -> loc = hot_rows[slot], and the slot is marked
+     touched in place by ``atomic_xchg(hot_pos[slot], -2 - pos)`` (the old
+     value tells whether this is the slot's first hit, so the number of distinct
+     touched slots is known without a pass over B and without zeroed scratch);
+     else host: ``atomic_min(hot_slot_of[pos], CLAIM + j)`` (entries of
+     missing rows are -1, claims are < -1; the smallest j wins).
+     All direct -> done (no LRU change, no miss).
+  2. (misses) per host selection j in selection order: owner = the claim
+     left is j's own; owners get rank r by a running cumsum (first-appearance
+     order, the spec's miss order), write miss_src[r], mpos[r] = pos and
+     replace the claim with the rank code -2 - r.
+  3. (hits or misses) one pass over lru_order: touched = hot_pos < -1;
+     a running cumsum of untouched slots gives the i-th untouched slot (victim
+     of rank i < n_fill) and the stable-partition position of every slot, the
+     number of untouched slots being B - touched (phase 1).  Hits get their
+     hot_pos back, fills unlink their old row, take the new one
+     (hot_pos / hot_slot_of) and write miss_dst[r] = hot_rows[victim];
+     overflow ranks take staging rows.  When B fits one block the new order is
+     written in place after a barrier, else through scratch and copied back.
+  4. (misses) host selections read hot_slot_of[pos]: >= 0 is the filled slot,
+     else the rank code of a staged row;  5. staged rows leave hot_slot_of.
 
 Requests in a batch must have distinct slots (the programs update per-slot state
 without synchronisation).  Selections are padding when negative and must
 otherwise be < P = hot_slot_of.shape[1]; larger positions never touch memory out
 of bounds, but their result is undefined (the reference raises IndexError).
+The state must be consistent (hot_slot_of[hot_pos[b]] == b for held slots,
+-1 for rows not held), which every call preserves.
 """
 from __future__ import annotations
 
@@ -42,9 +51,11 @@ import triton.language as tl
 from .reference import NUM_COUNTERS
 
 _INT32_MAX = 2**31 - 1
-_NARROW_KEY_LIMIT = _INT32_MAX - 1  # int32 sort keys while P * W_PAD stays below the sentinel
-_BLOCK_W = 1024  # selections per chunk in phases 1, 4, 5
-_BLOCK_B = 1024  # hot slots per chunk in phases 0, 3, 5
+_MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
+_BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
+_BLOCK_B = 1024  # hot slots per chunk in phase 3 when B does not fit one block
+_ONE_BLOCK_B = 4096  # largest B handled as one block (in-place LRU write)
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -63,22 +74,22 @@ def _resolve_kernel(
     miss_dst_ptr,  # [N, W] int32 out
     miss_count_ptr,  # [N] int32 out
     counters_ptr,  # [N, 4] int32 out
-    scratch_ptr, scratch_stride,  # [N, 2B + 2W_PAD] int32: touched | new order | key | sorted pos
+    scratch_ptr, scratch_stride,  # [N, 2W (+ B)] int32: host pos | miss pos | new order
     W, B,
-    PAGE_SIZE: tl.constexpr, W_PAD: tl.constexpr, LOG_W: tl.constexpr, WIDE_KEYS: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+    ONE_B: tl.constexpr,
 ):
+    CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ids_ptr + n).to(tl.int64)
-    SENTINEL: tl.constexpr = 2147483647
-    touched_ptr = scratch_ptr + n * scratch_stride  # [B]
-    order_ptr = touched_ptr + B  # [B] new lru order
-    key_ptr = order_ptr + B  # [W_PAD] host pos (phase 1) then rank (phase 2)
-    spos_ptr = key_ptr + W_PAD  # [W_PAD] sorted pos (phase 2) then victim slot (phase 3)
+    key_ptr = scratch_ptr + n * scratch_stride  # [W] host pos of selection j, else -1
+    mpos_ptr = key_ptr + W  # [W] position of miss rank r
+    order_ptr = mpos_ptr + W  # [B] new lru order (only when not ONE_B)
     sel_row = sel_ptr + n * sel_stride
     loc_row = loc_ptr + n * W
     miss_src_row = miss_src_ptr + n * W
     miss_dst_row = miss_dst_ptr + n * W
+    staging_row = staging_ptr + n * staging_stride
     pt_row = page_table_ptr + slot * page_table_stride
     hot_pos_row = hot_pos_ptr + slot * hot_pos_stride
     hot_rows_row = hot_rows_ptr + slot * hot_rows_stride
@@ -87,16 +98,11 @@ def _resolve_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
 
-    # 0. touched[b] = 0
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs_b
-        tl.store(touched_ptr + b, tl.zeros([BLOCK_B], tl.int32), mask=b < B)
-    tl.debug_barrier()
-
-    # 1. direct -> hot -> host classification
+    # 1. direct -> hot -> host classification; hits mark their slot, misses claim their row
     n_direct = 0
     n_hot = 0
     n_host = 0
+    n_touch = 0  # distinct hot slots hit
     for w0 in range(0, W, BLOCK_W):
         j = w0 + offs_w
         m = j < W
@@ -113,100 +119,100 @@ def _resolve_kernel(
         host = valid & ~direct & ~hot
         loc = tl.where(direct, page_base + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
         tl.store(loc_row + j, loc, mask=m)
-        tl.store(touched_ptr + hot_slot, tl.full([BLOCK_W], 1, tl.int32), mask=hot)
-        tl.store(key_ptr + j, tl.where(host, pos, SENTINEL), mask=m)
+        tl.store(key_ptr + j, tl.where(host, pos, -1), mask=m)
+        old = tl.atomic_xchg(hot_pos_row + hot_slot, -2 - pos, mask=hot)
+        tl.atomic_min(hso_row + pos, CLAIM + j, mask=host & (pos < max_pos))
         n_direct += tl.sum(direct.to(tl.int32))
         n_hot += tl.sum(hot.to(tl.int32))
         n_host += tl.sum(host.to(tl.int32))
+        n_touch += tl.sum((hot & (old >= 0)).to(tl.int32))
     tl.debug_barrier()
 
-    # 2. distinct misses in ascending position: sort (pos, j) keys, rank by cumsum
-    jj = tl.arange(0, W_PAD)
-    kpos = tl.load(key_ptr + jj, mask=jj < W, other=SENTINEL)
-    if WIDE_KEYS:  # pos << 32 | j
-        packed = tl.where(kpos != SENTINEL, (kpos.to(tl.int64) << 32) | jj.to(tl.int64),
-                          9223372036854775807)
-        packed = tl.sort(packed)
-        spos = (packed >> 32).to(tl.int32)
-        src_j = (packed & 0x7FFFFFFF).to(tl.int32)
-    else:  # pos << LOG_W | j fits int32 because P * W_PAD < 2**31 (launcher)
-        packed = tl.where(kpos != SENTINEL, (kpos << LOG_W) | jj, SENTINEL)
-        packed = tl.sort(packed)
-        spos = tl.where(packed != SENTINEL, packed >> LOG_W, SENTINEL)
-        src_j = packed & (W_PAD - 1)
-    tl.store(spos_ptr + jj, spos)
-    tl.debug_barrier()
-    prev = tl.load(spos_ptr + jj - 1, mask=jj > 0, other=-1)
-    is_miss = spos != SENTINEL
-    first = is_miss & (spos != prev)
-    rank = tl.cumsum(first.to(tl.int32), 0) - 1
-    n_miss = tl.sum(first.to(tl.int32))
+    # 2. distinct misses in order of first appearance: owners ranked by cumsum
+    n_miss = 0
     base = tl.load(host_base_ptr + slot)
-    tl.debug_barrier()  # every thread has read spos before phase 3 reuses it
-    tl.store(key_ptr + src_j, rank, mask=is_miss)
-    tl.store(miss_src_row + rank, base + spos.to(tl.int64), mask=first)
-
-    # 3A. untouched (victim) count
-    n_untouched = 0
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs_b
-        mb = b < B
-        slot_b = tl.load(lru_row + b, mask=mb, other=0)
-        t = tl.load(touched_ptr + slot_b, mask=mb, other=1)
-        n_untouched += tl.sum((t == 0).to(tl.int32))
-    n_fill = tl.minimum(n_miss, n_untouched)
-    n_left = n_untouched - n_fill  # untouched after the fills: front of new order
-
-    # 3B. victims (i-th untouched in LRU order <- i-th miss) + stable partition
-    run = 0
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs_b
-        mb = b < B
-        slot_b = tl.load(lru_row + b, mask=mb, other=0)
-        t = tl.load(touched_ptr + slot_b, mask=mb, other=1)
-        u = (t == 0).to(tl.int32)
-        r = run + tl.cumsum(u, 0) - u  # untouched strictly before b
-        fill = mb & (u == 1) & (r < n_miss)
-        left = mb & (u == 1) & (r >= n_miss)
-        left_before = tl.maximum(r - n_miss, 0)
-        new_at = tl.where(left, r - n_miss, n_left + b - left_before)
-        tl.store(order_ptr + new_at, slot_b, mask=mb)
-        old = tl.load(hot_pos_row + slot_b, mask=fill, other=-1)
-        tl.store(hso_row + old, tl.full([BLOCK_B], -1, tl.int32),
-                 mask=fill & (old >= 0) & (old < max_pos))
-        tl.store(spos_ptr + r, slot_b, mask=fill)
-        run += tl.sum(u)
+    if n_host > 0:
+        for w0 in range(0, W, BLOCK_W):
+            j = w0 + offs_w
+            kp = tl.load(key_ptr + j, mask=j < W, other=-1)
+            host = (kp >= 0) & (kp < max_pos)
+            claim = tl.load(hso_row + kp, mask=host, other=0)
+            own = host & (claim == CLAIM + j)
+            o = own.to(tl.int32)
+            r = n_miss + tl.cumsum(o, 0) - o
+            tl.store(hso_row + kp, -2 - r, mask=own)
+            tl.store(mpos_ptr + r, kp, mask=own)
+            tl.store(miss_src_row + r, base + kp.to(tl.int64), mask=own)
+            n_miss += tl.sum(o)
+    for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
+        r = r0 + offs_w
+        mt = (r >= n_miss) & (r < W)
+        tl.store(miss_src_row + r, tl.zeros([BLOCK_W], tl.int64), mask=mt)
+        tl.store(miss_dst_row + r, tl.full([BLOCK_W], -1, tl.int32), mask=mt)
     tl.debug_barrier()
 
-    # 4. fills enter the hot cache; miss destinations (hot row or staging row)
-    staging_row = staging_ptr + n * staging_stride
-    for w0 in range(0, W, BLOCK_W):
-        r = w0 + offs_w
-        mr = r < W
-        is_fill = r < n_fill
-        victim = tl.load(spos_ptr + r, mask=is_fill, other=0)
-        pos = (tl.load(miss_src_row + r, mask=is_fill, other=0) - base).to(tl.int32)
-        tl.store(hot_pos_row + victim, pos, mask=is_fill)
-        tl.store(hso_row + pos, victim, mask=is_fill & (pos >= 0) & (pos < max_pos))
-        hot_row = tl.load(hot_rows_row + victim, mask=is_fill, other=-1)
-        is_stage = (r >= n_fill) & (r < n_miss)
-        stage_row = tl.load(staging_row + (r - n_fill), mask=is_stage, other=-1)
-        tl.store(miss_dst_row + r, tl.where(is_fill, hot_row, stage_row), mask=mr)
-        tl.store(miss_src_row + r, tl.zeros([BLOCK_W], tl.int64), mask=mr & (r >= n_miss))
-    tl.debug_barrier()
+    # 3. victims (i-th untouched in LRU order <- i-th miss) + stable partition
+    n_fill = 0
+    if n_touch + n_miss > 0:
+        n_untouched = B - n_touch
+        n_fill = tl.minimum(n_miss, n_untouched)
+        n_left = n_untouched - n_fill  # untouched after the fills: front of new order
+        run = 0
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + offs_b
+            mb = b < B
+            slot_b = tl.load(lru_row + b, mask=mb, other=0)
+            hp = tl.load(hot_pos_row + slot_b, mask=mb, other=-1)
+            t = hp < -1  # hit this call
+            u = (mb & ~t).to(tl.int32)
+            r = run + tl.cumsum(u, 0) - u  # untouched strictly before b
+            fill = mb & ~t & (r < n_fill)
+            left = mb & ~t & (r >= n_fill)
+            left_before = tl.maximum(r - n_fill, 0)
+            new_at = tl.where(left, r - n_fill, n_left + b - left_before)
+            new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
+            victim_row = tl.load(hot_rows_row + slot_b, mask=fill, other=-1)
+            tl.store(hso_row + hp, tl.full([BLOCK_B], -1, tl.int32),
+                     mask=fill & (hp >= 0) & (hp < max_pos))
+            tl.store(hot_pos_row + slot_b, tl.where(fill, new_pos, -2 - hp), mask=fill | (mb & t))
+            tl.store(hso_row + new_pos, slot_b, mask=fill)
+            tl.store(miss_dst_row + r, victim_row, mask=fill)
+            if ONE_B:
+                tl.debug_barrier()  # every lru entry read before any is overwritten
+                tl.store(lru_row + new_at, slot_b, mask=mb)
+            else:
+                tl.store(order_ptr + new_at, slot_b, mask=mb)
+            run += tl.sum(u)
+        for r0 in range(n_fill, n_miss, BLOCK_W):  # overflow misses go to staging rows
+            r = r0 + offs_w
+            ms = r < n_miss
+            tl.store(miss_dst_row + r, tl.load(staging_row + (r - n_fill), mask=ms), mask=ms)
+        tl.debug_barrier()
+        if not ONE_B:
+            for b0 in range(0, B, BLOCK_B):
+                b = b0 + offs_b
+                mb = b < B
+                tl.store(lru_row + b, tl.load(order_ptr + b, mask=mb), mask=mb)
 
-    # 5. LRU order back; host selections read their row's destination
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs_b
-        mb = b < B
-        tl.store(lru_row + b, tl.load(order_ptr + b, mask=mb), mask=mb)
-    for w0 in range(0, W, BLOCK_W):
-        j = w0 + offs_w
-        m = j < W
-        k = tl.load(key_ptr + j, mask=m, other=SENTINEL)
-        host = m & (k != SENTINEL)
-        loc = tl.load(miss_dst_row + k, mask=host, other=-1)
-        tl.store(loc_row + j, loc, mask=host)
+    # 4. host selections read their row's destination
+    if n_host > 0:
+        for w0 in range(0, W, BLOCK_W):
+            j = w0 + offs_w
+            kp = tl.load(key_ptr + j, mask=j < W, other=-1)
+            host = (kp >= 0) & (kp < max_pos)
+            code = tl.load(hso_row + kp, mask=host, other=-1)
+            filled = host & (code >= 0)
+            staged = host & (code < -1)
+            hot_row = tl.load(hot_rows_row + code, mask=filled, other=-1)
+            stage_row = tl.load(staging_row + (-2 - code - n_fill), mask=staged, other=-1)
+            tl.store(loc_row + j, tl.where(filled, hot_row, stage_row), mask=host)
+        tl.debug_barrier()
+        # 5. staged rows do not enter the hot cache
+        for r0 in range(n_fill, n_miss, BLOCK_W):
+            r = r0 + offs_w
+            ms = r < n_miss
+            p = tl.load(mpos_ptr + r, mask=ms, other=0)
+            tl.store(hso_row + p, tl.full([BLOCK_W], -1, tl.int32), mask=ms)
 
     tl.store(miss_count_ptr + n, n_miss)
     counters_row = counters_ptr + n * 4
@@ -288,6 +294,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     _check("host_base", host_base, torch.int64, (n_slots,), dev)
     if hot_slot_of.shape[1] >= _INT32_MAX:
         raise ValueError(f"hot_slot_of.shape[1] must be < {_INT32_MAX}, got {hot_slot_of.shape[1]}")
+    if width >= _MAX_WIDTH:
+        raise ValueError(f"selections: K*k = {width} must be < {_MAX_WIDTH}")
     need = max(0, width - budget)
     if staging_rows.shape[1] < need:
         raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {budget} = "
@@ -300,9 +308,12 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     counters = torch.empty(n_batch, NUM_COUNTERS, dtype=torch.int32, device=dev)
     if n_batch == 0:
         return locations, miss_src, miss_dst, miss_count, counters
-    w_pad = triton.next_power_of_2(max(width, 1))
-    wide_keys = hot_slot_of.shape[1] * w_pad > _NARROW_KEY_LIMIT
-    scratch = torch.empty(n_batch, 2 * budget + 2 * w_pad, dtype=torch.int32, device=dev)
+    block_w = min(_BLOCK_W, triton.next_power_of_2(max(width, 1)))
+    b_pad = triton.next_power_of_2(max(budget, 1))
+    one_b = b_pad <= _ONE_BLOCK_B
+    block_b = b_pad if one_b else min(_BLOCK_B, b_pad)
+    scratch = torch.empty(n_batch, 2 * width + (0 if one_b else budget), dtype=torch.int32,
+                          device=dev)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
@@ -315,22 +326,13 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             staging_rows, staging_rows.stride(0),
             host_base,
             locations, miss_src, miss_dst, miss_count, counters,
-            scratch, scratch.stride(0),
+            scratch, max(scratch.stride(0), 1),
             width, budget,
             PAGE_SIZE=int(page_size),
-            W_PAD=w_pad,
-            LOG_W=w_pad.bit_length() - 1,
-            WIDE_KEYS=wide_keys,
-            BLOCK_W=min(_BLOCK_W, w_pad),
-            BLOCK_B=min(_BLOCK_B, triton.next_power_of_2(max(budget, 1))),
-            num_warps=_num_warps(w_pad, wide_keys),
+            BLOCK_W=block_w,
+            BLOCK_B=block_b,
+            ONE_B=one_b,
+            num_warps=_NUM_WARPS,
             num_stages=1,
         )
     return locations, miss_src, miss_dst, miss_count, counters
-
-
-def _num_warps(w_pad: int, wide_keys: bool) -> int:
-    # The whole-block sort dominates registers: ~16 keys per thread.  ptxas for sm_90
-    # reports no spills at K*k <= 512 and 8192, and 12-136 B at 2048, 4096, 16384;
-    # int64 keys at 16384 spill less with 16 warps (480 B) than with 32 (1.8 KB).
-    return max(4, min(16 if wide_keys else 32, w_pad // 512))

@@ -1,0 +1,1 @@
+"""Everything that imports vLLM: plugin entry point, connector, hooks."""

@@ -1,0 +1,115 @@
+"""DHiSparseConnector: the thin vLLM front over the scheduler and worker halves.
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector":"DHiSparseConnector","kv_role":"kv_both",
+                           "kv_connector_extra_config":{...}}'
+
+The extra config is parsed once, by :class:`~vllm_dhisparse.config.DHiSparseConfig`
+(unknown keys are rejected with the valid list).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorMetadata,
+                                                               KVConnectorRole, SupportsHMA)
+from vllm.logger import init_logger
+
+from vllm_dhisparse.config import DHiSparseConfig
+
+from . import deepseek_v4
+from .metadata import DHiSparseMetadata
+from .model_probe import find_sparse_layers, require_sparse_indexer
+from .scheduler_side import SchedulerSide
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+def _max_queries(vllm_config: "VllmConfig") -> int:
+    spec = vllm_config.speculative_config
+    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
+
+
+class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.cfg = DHiSparseConfig.from_extra_config(extra)
+        top_k = require_sparse_indexer(vllm_config.model_config)
+        self.cfg.hot_rows_for(top_k)  # B < k is a start-up error, in every process
+        self.scheduler_side: SchedulerSide | None = None
+        self.dhisparse_worker: WorkerSide | None = None
+        max_len = vllm_config.model_config.max_model_len
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(max_len)
+        else:
+            deepseek_v4.install()
+            self._kv_cache_config = kv_cache_config
+            device = torch.device(vllm_config.device_config.device)
+            self._worker_args = (max_len, vllm_config.scheduler_config.max_num_seqs,
+                                 _max_queries(vllm_config), device)
+
+    # -- worker --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = find_sparse_layers(self._vllm_config, self._kv_cache_config)
+        self.dhisparse_worker = WorkerSide(self.cfg, layers, *self._worker_args)
+        self.dhisparse_worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Both model runners bind before the forward; MRV2 calls start_load_kv
+        # only after it, too late to admit requests and commit rows.
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, DHiSparseMetadata), type(connector_metadata)
+        if self.dhisparse_worker is not None:
+            self.dhisparse_worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if self.dhisparse_worker is not None and self.has_connector_metadata():
+            self.dhisparse_worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]):
+        return None, None
+
+    # -- scheduler -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        return
+
+    def on_new_request(self, request: "Request") -> None:
+        self.scheduler_side.on_new_request(request)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]):
+        return self.scheduler_side.request_finished(request)
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]):
+        # DeepSeek-V4 runs with the hybrid allocator (SWA, compressed and indexer groups).
+        return self.scheduler_side.request_finished(request)

@@ -1,0 +1,28 @@
+"""What the scheduler half tells the worker half each step (pickled across processes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class RequestStep:
+    """One scheduled request in one step."""
+    req_id: str
+    num_computed_tokens: int  # committed tokens before this step (n_r of eq. 7)
+    num_scheduled_tokens: int  # queries this step (anchor + drafts, or a prefill chunk)
+    prompt_len: int
+    # Block ids per KV cache group: the full list for new/resumed requests,
+    # the newly appended ones otherwise (replace_blocks says which).
+    block_ids: tuple[list[int], ...] | None
+    replace_blocks: bool
+    max_tokens: int
+
+
+@dataclass
+class DHiSparseMetadata(KVConnectorMetadata):
+    step: int
+    requests: list[RequestStep] = field(default_factory=list)
+    finished: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)

@@ -1,0 +1,281 @@
+"""Worker half of the connector: owns the KVHierarchy and keeps it in step with vLLM.
+
+Per step (``start_load_kv``, before the forward):
+  * finished / preempted requests release everything;
+  * a request whose prefill completed is admitted, its imported history read
+    from vLLM's paged cache (resident-first placement is the hierarchy's call);
+  * rows that became *committed* since the last step (compressed rows whose
+    tokens all precede ``num_computed_tokens``, eq. 8) are appended to the tail.
+After the forward (``wait_for_save``) the hierarchy backs up completed tail
+pages and repopulates optional history (``KVHierarchy.step``).
+
+Rows computed in the current step (the anchor's and the drafts') are not
+committed yet: the attention hook reads them through per-request staging
+rows, copied from vLLM's cache for that step only, so a rejected draft never
+reaches the hierarchy.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_dhisparse.config import DHiSparseConfig
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from vllm_dhisparse.hierarchy.host_store import HostBackupError
+from vllm_dhisparse.hierarchy.specs import ResidencyConfig, SourceSpec
+
+from .metadata import DHiSparseMetadata
+from .model_probe import SparseLayer
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class TrackedRequest:
+    req_id: str
+    prompt_len: int
+    max_tokens: int
+    block_ids: list[list[int]]  # per KV cache group
+    num_computed_tokens: int = 0
+    admitted: bool = False
+    failed: str | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # committed rows per source
+
+
+class WorkerSide:
+    def __init__(self, cfg: DHiSparseConfig, layers: list[SparseLayer], max_model_len: int,
+                 max_num_seqs: int, max_spec_queries: int, device: torch.device):
+        self.cfg = cfg
+        self.layers = {layer.name: layer for layer in layers}
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_queries = max_spec_queries
+        self.device = device
+        self.hierarchy: KVHierarchy | None = None
+        self.requests: dict[str, TrackedRequest] = {}
+        self.caches: dict[str, torch.Tensor] = {}  # source -> vLLM rows view [R, row_bytes]
+        self.failed: dict[str, str] = {}
+        self.fresh_rows: dict[str, int] = {}  # per source: staging columns for this step's rows
+        self.fresh_selections = 0  # selections of rows computed this step (tail, direct)
+
+    # -- set-up -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        specs = []
+        for name, layer in self.layers.items():
+            if name not in kv_caches:
+                raise ValueError(f"sparse layer {name!r} has no KV cache; caches: {sorted(kv_caches)}")
+            cache = kv_caches[name].view(torch.uint8)
+            # A block is [rows x 576 data][rows x 8 scales], padded to a 576 B
+            # multiple (attention.py:873); logical rows are data + scales.
+            self.caches[name] = cache.reshape(cache.shape[0], -1)
+            layer_rows = -(-self.max_model_len // layer.compress_ratio) + 1
+            hot = self.cfg.hot_rows_for(layer.top_k)
+            fresh = -(-self.max_queries // layer.compress_ratio) + 1
+            staging = max(0, self.max_queries * layer.top_k - hot) + fresh
+            page = layer.rows_per_block
+            per_req_pages = -(-hot // page) + self.cfg.tail_pages + -(-staging // page)
+            host_rows = int(self.cfg.host_pool_gib * 2**30) // (layer.row_bytes * len(self.layers))
+            if host_rows < layer_rows:
+                raise ValueError(
+                    f"kv_connector_extra_config['host_pool_gib'] = {self.cfg.host_pool_gib} holds "
+                    f"{host_rows} rows per sparse layer, fewer than one request of max_model_len "
+                    f"{self.max_model_len} needs ({layer_rows}); raise host_pool_gib")
+            history_pages = -(-layer_rows // page)
+            device_pages = self.max_num_seqs * (per_req_pages + history_pages) \
+                + self.cfg.admission_reserve_pages
+            self.fresh_rows[name] = fresh
+            specs.append(SourceSpec(
+                name=name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
+                host_rows=host_rows, hot_rows=hot, tail_pages=self.cfg.tail_pages,
+                max_slots=self.max_num_seqs, max_rows=layer_rows, staging_rows=staging,
+                segments=layer.segments))
+        residency = ResidencyConfig(
+            admission_reserve_pages=self.cfg.admission_reserve_pages,
+            repopulate_pages_per_step=self.cfg.repopulate_pages_per_step,
+            reclaim_policy=self.cfg.reclaim_policy,
+            optional_residency=self.cfg.optional_residency, eager_backup=self.cfg.eager_backup)
+        self.hierarchy = KVHierarchy(specs, residency, device=self.device,
+                                     backend=self.cfg.resolver_backend)
+        logger.info("DHiSparse: %d sparse sources (%s), hot cache %d rows, host pool %.2f GiB",
+                    len(specs), ", ".join(self.layers), specs[0].hot_rows, self.cfg.host_pool_gib)
+
+    # -- per step -----------------------------------------------------------------------
+    def begin_step(self, meta: DHiSparseMetadata) -> None:
+        h = self.hierarchy
+        assert h is not None, "register_kv_caches must run before the first step"
+        for rid in sorted(meta.finished | meta.preempted):
+            req = self.requests.pop(rid, None)
+            if req is not None and req.admitted:
+                (h.preempt if rid in meta.preempted else h.finish)(rid)
+            self.failed.pop(rid, None)
+        for rs in meta.requests:
+            req = self.requests.get(rs.req_id)
+            if req is None or rs.replace_blocks:
+                if req is not None and req.admitted:  # resumed after preemption
+                    h.preempt(rs.req_id)
+                req = TrackedRequest(rs.req_id, rs.prompt_len, rs.max_tokens,
+                                     [list(b) for b in rs.block_ids or ()])
+                self.requests[rs.req_id] = req
+            elif rs.block_ids is not None:
+                for group, new in zip(req.block_ids, rs.block_ids):
+                    group.extend(new)
+            req.num_computed_tokens = rs.num_computed_tokens
+            if req.failed:
+                continue
+            try:
+                if not req.admitted and rs.num_computed_tokens >= max(1, rs.prompt_len):
+                    self._admit(req)
+                if req.admitted:
+                    self._commit_rows(req)
+            except HostBackupError as e:
+                # The request cannot be served exactly any more; fail it alone.
+                req.failed = str(e)
+                self.failed[rs.req_id] = str(e)
+                if req.admitted:
+                    h.preempt(rs.req_id)
+                    req.admitted = False
+                logger.error("DHiSparse: request %s failed: %s", rs.req_id, e)
+
+    def _committed_rows(self, req: TrackedRequest, layer: SparseLayer) -> int:
+        return req.num_computed_tokens // layer.compress_ratio  # eq. 8: complete rows only
+
+    def _vllm_rows(self, req: TrackedRequest, layer: SparseLayer, start: int, end: int) -> torch.Tensor:
+        return self._vllm_rows_at(req, layer, torch.arange(start, end, dtype=torch.int64))
+
+    def _vllm_rows_at(self, req: TrackedRequest, layer: SparseLayer, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of ``req`` as vLLM's paged cache holds them.  # [n, row_bytes] uint8"""
+        cache = self.caches[layer.name]  # [blocks, block_bytes] uint8
+        blocks = torch.tensor(req.block_ids[layer.group], dtype=torch.int64)
+        rows = rows.to(torch.int64).cpu()
+        b = blocks[rows // layer.rows_per_block].to(cache.device)
+        pos = (rows % layer.rows_per_block).to(cache.device)
+        parts, plane_start = [], 0
+        for seg in layer.segments:  # plane s of a block starts after rows_per_block rows of s-1
+            cols = plane_start + pos[:, None] * seg + torch.arange(seg, device=cache.device)
+            parts.append(cache[b[:, None], cols])
+            plane_start += layer.rows_per_block * seg
+        return torch.cat(parts, dim=1)
+
+    def _admit(self, req: TrackedRequest) -> None:
+        h = self.hierarchy
+        imported, max_rows = {}, {}
+        for name, layer in self.layers.items():
+            n = self._committed_rows(req, layer)
+            imported[name] = self._vllm_rows(req, layer, 0, n)
+            spec_rows = h.source(name).spec.max_rows
+            max_rows[name] = min(spec_rows, -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
+        if self.cfg.debug_fail_backup_of and req.req_id.startswith(self.cfg.debug_fail_backup_of):
+            for name in self.layers:
+                h.source(name).host.fail_next_backup_of.add(req.req_id)
+        if not h.admit(req.req_id, max_rows, imported):
+            logger.warning("DHiSparse: no device room to admit %s now; it reads vLLM's cache "
+                           "this step", req.req_id)
+            return
+        req.admitted = True
+        req.rows = {name: imported[name].shape[0] for name in self.layers}
+
+    def _commit_rows(self, req: TrackedRequest) -> None:
+        for name, layer in self.layers.items():
+            have, want = req.rows[name], self._committed_rows(req, layer)
+            if want > have:
+                self.hierarchy.append(req.req_id, name, self._vllm_rows(req, layer, have, want))
+                req.rows[name] = want
+
+    # -- attention hook support ------------------------------------------------------------
+    def attention_cache(self, layer: SparseLayer) -> tuple[torch.Tensor, int]:
+        """The pool as the attention op's ``(cache_2d, block_size)``: one block of all rows."""
+        pool = self.hierarchy.source(layer.name).pool
+        return pool.storage.view(1, -1), pool.num_rows
+
+    def rows_to_requests(self, block_table: torch.Tensor, layer: SparseLayer) -> list[str | None]:
+        """Batch row -> admitted request id, matched by the request's first block in the group."""
+        first = {r.block_ids[layer.group][0]: r.req_id for r in self.requests.values()
+                 if r.admitted and r.block_ids[layer.group]}
+        return [first.get(int(b)) for b in block_table[:, 0].tolist()]
+
+    def resolve_tokens(self, layer: SparseLayer, req_rows: torch.Tensor, topk: torch.Tensor,
+                       rows_req: list[str | None]) -> torch.Tensor:
+        """Per-token top-k rows -> pool rows.  topk [T, k] int32 -> [T, k] int64."""
+        h = self.hierarchy
+        parts = h.source(layer.name)
+        rows = req_rows.tolist()
+        order = list(dict.fromkeys(rows))  # requests in batch order
+        req_ids = [rows_req[r] for r in order]
+        query_of = {}
+        counts = {r: 0 for r in order}
+        for t, r in enumerate(rows):
+            query_of[t] = (order.index(r), counts[r])
+            counts[r] += 1
+        n, kq, top_k = len(order), max(counts.values()), topk.shape[1]
+        sel = torch.full((n, kq, top_k), -1, dtype=torch.int32, device=topk.device)
+        tok_n = torch.tensor([query_of[t][0] for t in range(len(rows))], dtype=torch.int64)
+        tok_j = torch.tensor([query_of[t][1] for t in range(len(rows))], dtype=torch.int64)
+        sel[tok_n, tok_j] = topk.to(torch.int32)
+        committed = torch.tensor([self.requests[r].rows[layer.name] for r in req_ids],
+                                 dtype=torch.int32, device=sel.device).view(n, 1, 1)
+        fresh = sel >= committed  # rows computed this step: not in the hierarchy yet
+        locs, _ = h.resolve(layer.name, req_ids, torch.where(fresh, -1, sel))
+        locs = locs.to(torch.int64)
+        cap = self.fresh_rows[layer.name]
+        for i, rid in enumerate(req_ids):
+            if not bool(fresh[i].any()):
+                continue
+            want = torch.unique(sel[i][fresh[i]].to(torch.int64))
+            if want.numel() > cap:
+                raise RuntimeError(f"request {rid}: {want.numel()} rows computed this step exceed "
+                                   f"the {cap} staging rows reserved for them")
+            staging = parts.pool.page_rows(parts.residency.request(rid).staging)
+            dst = staging[staging.numel() - want.numel():].to(sel.device)
+            parts.pool.write(dst, self._vllm_rows_at(self.requests[rid], layer, want))
+            locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
+        self.fresh_selections += int(fresh.sum())
+        if self.cfg.debug_corrupt_mapping:
+            _corrupt_one(locs)
+        return locs[tok_n, tok_j]
+
+    def end_step(self) -> None:
+        if self.hierarchy is not None:
+            self.hierarchy.step()
+            if self.cfg.stats_file:
+                write_json_atomic(self.cfg.stats_file, self.summary())
+
+    def summary(self) -> dict:
+        """Counters summed over sources (this step's rows count as direct: they are tail rows)."""
+        st = self.hierarchy.stats()
+        tot = dict(selected=0, direct=self.fresh_selections, hot=0, host=0, fetched=0,
+                   bytes_fetched=0, verify_host_selections=0, verify_fetched=0, resolve_calls=0)
+        for src in st["sources"].values():
+            r = src["resolver"]
+            for key in ("direct", "hot", "host", "fetched", "bytes_fetched",
+                        "verify_host_selections", "verify_fetched"):
+                tot[key] += r[key]
+            tot["resolve_calls"] += r["calls"]
+        tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
+        tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
+                   finished=st["finished"], preempted=st["preempted"], failed=len(self.failed),
+                   step=st["step"])
+        return dict(totals=tot, sources=st["sources"])
+
+    def finished_ids(self) -> set[str]:
+        return set(self.failed)
+
+
+def _corrupt_one(locs: torch.Tensor) -> None:
+    """TEST ONLY: point one selection at another selected row (proves E2E tests can fail)."""
+    flat = locs.view(-1)
+    valid = (flat >= 0).nonzero().flatten()
+    if valid.numel() >= 2:
+        a, b = int(valid[0]), int(valid[1])
+        if int(flat[a]) != int(flat[b]):
+            flat[a] = flat[b]
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
