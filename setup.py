@@ -23,6 +23,7 @@ setup(
         "gpu": ["vllm==0.33.0"],
     },
     entry_points={
+        "console_scripts": ["vllm-dhisparse = vllm_dhisparse.tools.cli:main"],
         "vllm.general_plugins": [
             "dhisparse = vllm_dhisparse.integration.plugin:register",
         ],

