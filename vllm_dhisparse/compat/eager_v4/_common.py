@@ -131,6 +131,17 @@ def read_bytes(cache_2d: torch.Tensor, block: torch.Tensor, offset: torch.Tensor
     return cache_2d[block.unsqueeze(-1), cols]
 
 
+def region(cache_2d: torch.Tensor, block_size: int, row_bytes: int,
+           base: int = 0) -> torch.Tensor:
+    """Strided ``[num_blocks, block_size, row_bytes]`` view of one per-row
+    region of every block (rows of ``row_bytes`` starting at byte ``base``);
+    indexing it with ``[block, pos]`` reads or writes whole rows in place."""
+    assert cache_2d.stride(1) == 1
+    return cache_2d.as_strided((cache_2d.shape[0], block_size, row_bytes),
+                               (cache_2d.stride(0), row_bytes, 1),
+                               cache_2d.storage_offset() + base)
+
+
 def store_ds_mla_rows(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int,
                       nope_bf16: torch.Tensor, rope: torch.Tensor) -> None:
     """Quantize and write rows of the fp8_ds_mla layout at ``slots`` (all >= 0).
@@ -143,8 +154,9 @@ def store_ds_mla_rows(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: i
     q, scales = quant_tiles_ue8m0(nope_bf16)
     rope_bytes = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
     block, pos = split_slots(slots, block_size)
-    write_bytes(cache_2d, block, pos * ROW_DATA_BYTES, torch.cat([q, rope_bytes], dim=1))
-    write_bytes(cache_2d, block, block_size * ROW_DATA_BYTES + pos * ROW_SCALE_BYTES, scales)
+    region(cache_2d, block_size, ROW_DATA_BYTES)[block, pos] = torch.cat([q, rope_bytes], 1)
+    region(cache_2d, block_size, ROW_SCALE_BYTES, block_size * ROW_DATA_BYTES)[block, pos] = (
+        scales)
 
 
 def load_ds_mla_rows(cache_2d: torch.Tensor, slots: torch.Tensor,
@@ -152,9 +164,9 @@ def load_ds_mla_rows(cache_2d: torch.Tensor, slots: torch.Tensor,
     """Dequantize fp8_ds_mla rows at ``slots`` (all valid) -> ``[N, 512]`` fp32:
     nope = fp8 * tile scale, rope = the stored bf16."""
     block, pos = split_slots(slots, block_size)
-    data = read_bytes(cache_2d, block, pos * ROW_DATA_BYTES, ROW_DATA_BYTES)
-    scales = read_bytes(cache_2d, block, block_size * ROW_DATA_BYTES + pos * ROW_SCALE_BYTES,
-                        NUM_TILES)
+    data = region(cache_2d, block_size, ROW_DATA_BYTES)[block, pos]
+    scales = region(cache_2d, block_size, ROW_SCALE_BYTES,
+                    block_size * ROW_DATA_BYTES)[block, pos][:, :NUM_TILES]
     n = data.shape[0]
     nope = fp8_bytes_to_float(data[:, :NOPE_DIM]).view(n, NUM_TILES, TILE)
     nope = (nope * ue8m0_to_float(scales).unsqueeze(-1)).view(n, NOPE_DIM)

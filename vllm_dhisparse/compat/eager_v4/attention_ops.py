@@ -31,27 +31,34 @@ from ._common import (
     store_ds_mla_rows,
 )
 
-# Gathered K/V elements (tokens x listed rows x 512 fp32) per attention chunk.
-_ATTN_CHUNK_ELEMS = 1 << 24
+# Query tokens per attention chunk (bounds the [T, H, distinct rows] scores).
+_ATTN_CHUNK_TOKENS = 128
 
 
-def _gather_rows(cache_2d, slots, block_size):
-    """Dequantized rows for a ``[T, N]`` slot matrix, in listed order.
+def _distinct_rows(cache_2d, slots, block_size):
+    """Dequantize each distinct valid slot of a ``[T, N]`` slot matrix once.
 
-    Returns ``(rows [T, N, 512] fp32, valid [T, N])``. A slot is valid when
-    ``0 <= slot < num_blocks * block_size`` (the kernel's check); invalid
-    entries hold an arbitrary finite row and must be masked by the caller.
-    Each distinct slot is dequantized once.
+    Distinct rows are ordered by first appearance in the row-major slot list
+    (not by slot number), so everything computed from them depends on the
+    listed rows' values and list order only, never on where rows physically
+    live. A slot is valid when ``0 <= slot < num_blocks * block_size`` (the
+    kernel's check). Returns ``(rows [U, 512] fp32, inv [T, N], valid [T, N])``
+    (``inv`` is 0 for invalid entries).
     """
-    t, n = slots.shape
     total = cache_2d.shape[0] * block_size
     valid = (slots >= 0) & (slots < total)
-    if n == 0 or not bool(valid.any()):
-        return slots.new_zeros((t, n, HEAD_DIM), dtype=torch.float32), valid
-    uniq, inv = torch.unique(slots[valid], return_inverse=True)
-    full_inv = torch.zeros_like(slots)
-    full_inv[valid] = inv
-    return load_ds_mla_rows(cache_2d, uniq, block_size)[full_inv], valid
+    inv = torch.zeros_like(slots)
+    if slots.numel() == 0 or not bool(valid.any()):
+        return torch.zeros((0, HEAD_DIM), dtype=torch.float32), inv, valid
+    listed = slots[valid]
+    uniq, u_inv = torch.unique(listed, return_inverse=True)
+    first = torch.full((uniq.numel(),), listed.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, u_inv, torch.arange(listed.numel()), reduce="amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    inv[valid] = rank[u_inv]
+    return load_ds_mla_rows(cache_2d, uniq[order], block_size), inv, valid
 
 
 def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_block_size,
@@ -68,41 +75,39 @@ def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_blo
     ``out = sum_n e^{s_n} v_n / (sum_n e^{s_n} + e^{sink_h})``. A token with no
     valid row gets 0. Writes ``out`` (bf16) in place.
 
-    Every reduction runs over the *listed* order of rows (window list, then
-    compressed list), so results depend on the rows' values and list order
-    only, never on where the rows physically live: moving rows to other
-    slots (same values, same lists) gives bit-identical output.
+    Per chunk of tokens, over the chunk's distinct rows ``K_u`` (window rows,
+    then compressed rows, each in first-appearance order): ``S = q K_u^T``,
+    gathered per listed entry and softmaxed; the weights are summed back
+    onto the distinct rows (``P_u``) and ``out = P_u K_u``. Results depend on
+    row values and list order only: the same lists over rows moved to other
+    slots give bit-identical output.
     """
-    num_tokens = q.shape[0]
+    num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
         return
     sink = attn_sink.float().reshape(1, -1)
-    n_total = max(1, window_slots.shape[1] + compressed_slots.shape[1])
-    chunk = max(1, _ATTN_CHUNK_ELEMS // (n_total * HEAD_DIM))
-    for t0 in range(0, num_tokens, chunk):
-        t1 = min(num_tokens, t0 + chunk)
-        qf = q[t0:t1].float()
-        parts = []
-        for cache, slots, bs in ((window_cache_2d, window_slots, window_block_size),
-                                 (compressed_cache_2d, compressed_slots,
-                                  compressed_block_size)):
-            if slots.shape[1] == 0:
-                continue
-            rows, valid = _gather_rows(cache, slots[t0:t1].long(), bs)
-            s = torch.bmm(qf, rows.transpose(1, 2)) * float(scale)  # [T, H, N]
-            parts.append((rows, valid, s.masked_fill(~valid.unsqueeze(1), float("-inf"))))
-        m = sink.expand(t1 - t0, -1)
-        for _, _, s in parts:
-            m = torch.maximum(m, s.amax(dim=-1))
-        denom = torch.exp(sink - m)
-        o = torch.zeros(qf.shape, dtype=torch.float32)
-        any_valid = torch.zeros(t1 - t0, dtype=torch.bool)
-        for rows, valid, s in parts:
-            p = torch.exp(s - m.unsqueeze(-1))
-            denom = denom + p.sum(dim=-1)
-            o = o + torch.bmm(p, rows)
-            any_valid |= valid.any(dim=1)
-        o = o / denom.unsqueeze(-1)
+    for t0 in range(0, num_tokens, _ATTN_CHUNK_TOKENS):
+        t1 = min(num_tokens, t0 + _ATTN_CHUNK_TOKENS)
+        t = t1 - t0
+        kw, iw, vw = _distinct_rows(window_cache_2d, window_slots[t0:t1].long(),
+                                    window_block_size)
+        kc, ic, vc = _distinct_rows(compressed_cache_2d, compressed_slots[t0:t1].long(),
+                                    compressed_block_size)
+        k = torch.cat([kw, kc], dim=0)  # [U, 512]
+        inv = torch.cat([iw, ic + kw.shape[0]], dim=1)  # [T, N]
+        valid = torch.cat([vw, vc], dim=1)
+        any_valid = valid.any(dim=1)
+        if k.shape[0] == 0:
+            out[t0:t1] = 0
+            continue
+        s_u = torch.matmul(q[t0:t1].float(), k.t()) * float(scale)  # [T, H, U]
+        idx = inv.unsqueeze(1).expand(t, num_heads, inv.shape[1])
+        s = torch.gather(s_u, 2, idx).masked_fill(~valid.unsqueeze(1), float("-inf"))
+        m = torch.maximum(s.amax(dim=-1), sink)  # [T, H]
+        p = torch.exp(s - m.unsqueeze(-1))
+        denom = p.sum(dim=-1) + torch.exp(sink - m)
+        p_u = torch.zeros_like(s_u).scatter_add_(2, idx, p)
+        o = torch.matmul(p_u, k) / denom.unsqueeze(-1)
         o[~any_valid] = 0.0
         out[t0:t1] = o.to(out.dtype)
 

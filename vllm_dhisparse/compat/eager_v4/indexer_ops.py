@@ -19,10 +19,9 @@ from ._common import (
     cos_sin_at,
     gptj_rope,
     quant_row_pow2,
-    read_bytes,
+    region,
     rms_norm,
     split_slots,
-    write_bytes,
 )
 
 INDEX_TOPK = 512
@@ -71,24 +70,27 @@ def fp8_paged_mqa_logits_cpu(q_fp8, kvcache_fp8, weight, seq_lens, page_table, b
                         device=q_fp8.device)
     if b_total == 0 or max_seq_len == 0:
         return logits
-    num_pages = kvcache_fp8.shape[0]
+    n_pages = min(-(-max_seq_len // block_size), page_table.shape[1])
+    k_reg = region(kvcache_fp8, block_size, d)
+    s_reg = region(kvcache_fp8, block_size, IDX_SCALE_BYTES, block_size * d)
     j = torch.arange(max_seq_len, device=q_fp8.device)
-    lp = torch.clamp(j // block_size, max=page_table.shape[1] - 1)
-    off = j % block_size
-    chunk = max(1, _LOGITS_CHUNK_ELEMS // (max_seq_len * d))
-    qf_all = q_fp8.float()
-    for b0 in range(0, b_total, chunk):
-        b1 = min(b_total, b0 + chunk)
-        pages = page_table[b0:b1][:, lp].long().clamp(0, num_pages - 1)  # [b, L]
-        flat_p, flat_o = pages.reshape(-1), off.repeat(b1 - b0)
-        k = read_bytes(kvcache_fp8, flat_p, flat_o * d, d).view(FP8).float()
-        k = k.view(b1 - b0, max_seq_len, d)
-        ks = read_bytes(kvcache_fp8, flat_p, block_size * d + flat_o * IDX_SCALE_BYTES,
-                        IDX_SCALE_BYTES).view(torch.float32).view(b1 - b0, max_seq_len)
-        dots = torch.einsum("bhd,bjd->bhj", qf_all[b0:b1], k).clamp(min=0)
-        sc = torch.einsum("bhj,bh->bj", dots, weight[b0:b1].float()) * ks
-        live = j.unsqueeze(0) < seq_lens[b0:b1].long().unsqueeze(1)
-        logits[b0:b1] = torch.where(live, sc, logits[b0:b1])
+    seq = seq_lens.long()
+    # Rows of one request share their page-table row: read its K once.
+    tables, which = torch.unique(page_table[:, :n_pages].long(), dim=0, return_inverse=True)
+    chunk = max(1, _LOGITS_CHUNK_ELEMS // (max_seq_len * q_fp8.shape[1]))
+    for r in range(tables.shape[0]):
+        pages = tables[r].clamp(0, kvcache_fp8.shape[0] - 1)
+        k = k_reg[pages].reshape(-1, d)[:max_seq_len].view(FP8).float()  # [L', d]
+        ks = s_reg[pages].reshape(-1, IDX_SCALE_BYTES)[:max_seq_len]
+        ks = ks.contiguous().view(torch.float32).squeeze(1)
+        length = k.shape[0]
+        members = (which == r).nonzero().squeeze(1)
+        for c0 in range(0, members.numel(), chunk):
+            rows = members[c0:c0 + chunk]
+            dots = torch.matmul(q_fp8[rows].float(), k.t()).clamp(min=0)  # [b, H, L']
+            sc = torch.einsum("bhj,bh->bj", dots, weight[rows].float()) * ks
+            live = j[:length].unsqueeze(0) < seq[rows].unsqueeze(1)
+            logits[rows, :length] = torch.where(live, sc, float("-inf"))
     return logits
 
 
@@ -154,9 +156,10 @@ def compress_norm_rope_store_indexer_cpu(state_cache, gather_slots, positions,
     normed[:, IDX_HEAD_DIM - rot:] = gptj_rope(normed[:, IDX_HEAD_DIM - rot:], cos, sin)
     q_bytes, s = quant_row_pow2(bf16_round(normed))
     block, p = split_slots(slots[idx], kv_cache_block_size)
-    write_bytes(kv_cache_2d, block, p * IDX_HEAD_DIM, q_bytes)
-    write_bytes(kv_cache_2d, block, kv_cache_block_size * IDX_HEAD_DIM + p * IDX_SCALE_BYTES,
-                s.float().contiguous().view(torch.uint8).view(-1, IDX_SCALE_BYTES))
+    region(kv_cache_2d, kv_cache_block_size, IDX_HEAD_DIM)[block, p] = q_bytes
+    region(kv_cache_2d, kv_cache_block_size, IDX_SCALE_BYTES,
+           kv_cache_block_size * IDX_HEAD_DIM)[block, p] = (
+        s.float().contiguous().view(torch.uint8).view(-1, IDX_SCALE_BYTES))
 
 
 OPS = [
