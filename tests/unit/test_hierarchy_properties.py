@@ -16,7 +16,8 @@ SOURCES = [
     dict(name="a", row_bytes=3, page_size=2, device_pages=30, host_rows=180, hot_rows=3,
          tail_pages=1, max_slots=6, max_rows=30, staging_rows=5),  # K*k <= 4*2
     dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_rows=4,
-         tail_pages=2, max_slots=6, max_rows=30, staging_rows=8),  # K*k <= 4*3
+         tail_pages=2, max_slots=6, max_rows=30, staging_rows=8,  # K*k <= 4*3
+         segments=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
 ]
 MAX_K = {"a": 2, "b": 3}
 WIDTH = {s["name"]: s["row_bytes"] for s in SOURCES}
@@ -88,7 +89,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         for i, r in enumerate(reqs):
             m = sel[i] >= 0
             assert bool((loc[i][~m] == -1).all()), f"padding of {r} got a location"
-            got = pool.rows[loc[i][m].long()]
+            got = pool.read(loc[i][m].long())
             assert torch.equal(got, self.truth[r][src][sel[i][m].long()]), \
                 f"request {r} source {src}: resolved bytes differ from its rows"
             assert int(counters[i, :3].sum()) == int(m.sum())

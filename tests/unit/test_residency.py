@@ -63,7 +63,7 @@ def verify_resolves(h, truth, req, source="s"):
         sel = torch.cat([sel, torch.full((B - sel.numel(),), -1, dtype=torch.int32)]).view(1, 1, B)
         loc, counters = h.resolve(source, [req], sel)
         m = sel[0, 0] >= 0
-        assert torch.equal(pool.rows[loc[0, 0][m].long()], truth[req][source][sel[0, 0][m].long()])
+        assert torch.equal(pool.read(loc[0, 0][m].long()), truth[req][source][sel[0, 0][m].long()])
         total += counters[0].long()
     check_invariants(h, truth)
     return total

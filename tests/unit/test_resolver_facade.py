@@ -36,7 +36,7 @@ def verify_exact(h, truth, req_ids, selections, locations):
     for n, r in enumerate(req_ids):
         m = selections[n] >= 0
         assert bool((locations[n][~m] == -1).all())
-        got = pool.rows[locations[n][m].long()]
+        got = pool.read(locations[n][m].long())
         assert torch.equal(got, truth[r]["s"][selections[n][m].long()]), f"request {r} got wrong bytes"
 
 
