@@ -75,6 +75,13 @@ REAL = dict(batches=(8, 32, 160), miss_fracs=(0.0, 0.05, 0.30), top_k=2048, budg
 SMOKE = dict(batches=(2, 3), miss_fracs=(0.0, 0.25), top_k=16, budget=32, row_bytes=40,
              rows=256, reps=2, sglang_block_size=960)
 ENTRY = "sglang.kernels.ops.kvcache.hisparse"
+# GPU busy-wait before each timed call, so that both sides' host-side work (our
+# Python launchers and argument checks, SGLang's tvm-ffi wrapper and its per-call
+# allocations, plus the state restore and L2 flush) is enqueued before the GPU
+# reaches the start event: the events then time GPU work only.  200 us was too
+# short for our two Python launchers (2026-11-30: resolve alone read ~44 us eager
+# vs ~10-20 us replayed from a CUDA graph), so small cells timed host overhead.
+SPACER_US = 1000.0
 
 
 def _light_import():
@@ -253,7 +260,7 @@ def main(argv=None) -> int:
                 loc, src, dst, cnt, _ = resolve_fn(*st.resolve_args(sel, slot_ids))
                 gather_fn(st.host_rows, st.device_rows, src, dst, cnt)
 
-            t_ours = C.time_gpu(ours, setup=st.restore, reps=cfg["reps"], spacer_us=200.0).summary()
+            t_ours = C.time_gpu(ours, setup=st.restore, reps=cfg["reps"], spacer_us=SPACER_US).summary()
             res = dict(batch=n, miss_frac=frac, misses_per_request=n_miss, top_k=cfg["top_k"],
                        budget=cfg["budget"], row_bytes=cfg["row_bytes"], ours=t_ours)
             if can_sglang:
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
                         failures.append(f"sglang batch={n} miss={frac}: {err}")
                     t_sg = C.time_gpu(lambda sg=sg: sglang_call(mod, sg, host, cfg),
                                       setup=lambda sg=sg: sglang_restore(sg), reps=cfg["reps"],
-                                      spacer_us=200.0).summary()
+                                      spacer_us=SPACER_US).summary()
                     res["sglang"] = t_sg
                     res["speedup"] = t_sg["median_ms"] / t_ours["median_ms"]
                 except Exception as e:  # noqa: BLE001 - e.g. JIT build failure: report it

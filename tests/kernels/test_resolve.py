@@ -297,12 +297,40 @@ def test_random_sequences(seed):
         w.call(sel, slot_ids, context=f"seed {seed} step {step}")
 
 
-def test_wide_sort_keys(monkeypatch):
-    """int64 (pos << 32 | j) keys, used when P * K*k does not fit int32."""
+def test_misses_in_ascending_position_order():
+    """Distinct misses are numbered by position (host-address order), whatever the
+    selection order; later duplicates share the rank."""
+    w = World(budget=8, width=8, positions=40, batch=1)
+    sel = torch.tensor([[[30, 5, -1, 17], [5, 2, 30, 39]]], dtype=torch.int32, device=DEVICE)
+    _, miss_src, _, miss_count, _ = w.call(sel, [0])
+    base = int(w.host_base[0])
+    assert int(miss_count[0]) == 5
+    assert (miss_src[0, :5] - base).tolist() == [2, 5, 17, 30, 39]
+
+
+@pytest.mark.parametrize("n_distinct", [200, 300])
+def test_miss_sort_buckets(n_distinct):
+    """The distinct-miss sort takes 256 keys when the count allows, else next_pow2(K*k)
+    (the 2048-key middle bucket needs K*k > 2048: covered on CUDA by
+    benchmarks/gpu_correctness.py's K=8, k=2048 configurations)."""
+    w = World(budget=64, width=512, positions=1000, batch=1, slots=1, page_size=64)
+    g = torch.Generator().manual_seed(n_distinct)
+    rows = torch.randperm(1000, generator=g)[:n_distinct]
+    sel = rows[torch.randint(0, n_distinct, (512,), generator=g)]
+    sel[:n_distinct] = rows  # every row at least once
+    sel = sel[torch.randperm(512, generator=g)].view(1, 2, 256).int().to(DEVICE)
+    w.call(sel, [0], check_bytes=False)
+
+
+def test_one_block_and_chunked_lru_paths(monkeypatch):
+    """B above the one-block limit goes through scratch and a copy back."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    monkeypatch.setattr(resolve_module, "_NARROW_KEY_LIMIT", 0)
-    w = World(budget=6, width=12, positions=40, slots=3, batch=2)
+    monkeypatch.setattr(resolve_module, "_ONE_BLOCK_B", 2)
+    monkeypatch.setattr(resolve_module, "_BLOCK_B", 4)
+    monkeypatch.setattr(resolve_module, "_BLOCK_W", 4)
+    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
     w.make_direct(2, [3])
+    w.warm(0, [1, 2, 3, 4])
     for step in range(3):
         w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}")
 

@@ -12,13 +12,8 @@ Resolution contract (paper eq. 2, 6, 12), for one KV source:
   ``page_table``) -> hot cache (``hot_slot_of``) -> host.
 * The union of a request's K queries is resolved once (eq. 6): each distinct
   missing row is fetched once, every selecting query gets its location.
-* Distinct misses are ordered by first appearance in the flattened ``[K, k]``
-  selection block (the order in which query 0, then query 1, ... name them;
-  ties impossible).  This is what a sort-free kernel gets from an atomic-min
-  claim per missing row: the smallest selection index wins and owners are
-  ranked by a prefix sum in selection order.  (Earlier versions sorted by
-  position; the gather does not need host-address order: rows are >= 512 B
-  and each is read as one contiguous run.)  The i-th distinct miss takes the i-th least-recent *untouched* hot slot in
+* Misses are ordered by position (ascending, i.e. host-address order).  The
+  i-th distinct miss takes the i-th least-recent *untouched* hot slot in
   ``lru_order`` (hot hits of this call are protected).  Misses beyond the
   available victims go, in the same order, to ``staging_rows[n]`` and do not
   enter the hot cache.
@@ -88,16 +83,9 @@ def resolve_reference(
         touched = torch.zeros(budget, dtype=torch.bool, device=dev)
         touched[hot_slot[hot]] = True
 
-        # 3. distinct misses in order of first appearance, take untouched LRU victims
+        # 3. distinct misses, ascending position, take untouched LRU victims
         host = valid & ~direct & ~hot
-        host_pos = pos[host]
-        uniq, inv = torch.unique(host_pos, return_inverse=True)  # uniq sorted ascending
-        first = torch.full((uniq.numel(),), width, dtype=torch.int64, device=dev)
-        first.scatter_reduce_(0, inv, torch.arange(width, device=dev)[host], reduce="amin")
-        by_first = torch.argsort(first)  # first indices are distinct: no ties
-        missing = uniq[by_first]  # rank r -> position
-        rank_of = torch.empty_like(by_first)
-        rank_of[by_first] = torch.arange(by_first.numel(), device=dev)
+        missing = torch.unique(pos[host])  # sorted ascending
         order = lru_order[slot].long()
         victims = order[~touched[order]]
         n_hot_fill = min(missing.numel(), victims.numel())
@@ -118,7 +106,8 @@ def resolve_reference(
         lru_order[slot] = torch.cat([order[~touched[order]], order[touched[order]]]).to(lru_order.dtype)
 
         # every selection of a missing row gets that row's location
-        loc[host] = dst[rank_of[inv]]
+        idx = torch.searchsorted(missing, pos[host])
+        loc[host] = dst[idx]
         n_miss = missing.numel()
         miss_src[n, :n_miss] = int(host_base[slot]) + missing
         miss_dst[n, :n_miss] = dst.to(torch.int32)

@@ -4,7 +4,7 @@ One launch, one program (CTA) per batch row, as in SGLang's
 ``load_cache_to_device_buffer_kernel``.  Semantics, outputs and in-place state
 updates are bit-identical to ``reference.resolve_reference`` (the spec).
 
-No sort and no pass over the hot cache unless it is needed.  Phases of one
+No whole-block sort and no pass over the hot cache unless it is needed.  Phases of one
 program (batch row n, request slot s), separated by CTA barriers; the passes
 after phase 1 run only when their counts are non-zero:
 
@@ -16,10 +16,12 @@ after phase 1 run only when their counts are non-zero:
      else host: ``atomic_min(hot_slot_of[pos], CLAIM + j)`` (entries of
      missing rows are -1, claims are < -1; the smallest j wins).
      All direct -> done (no LRU change, no miss).
-  2. (misses) per host selection j in selection order: owner = the claim
-     left is j's own; owners get rank r by a running cumsum (first-appearance
-     order, the spec's miss order), write miss_src[r], mpos[r] = pos and
-     replace the claim with the rank code -2 - r.
+  2. (misses) per host selection j: owner = the claim left is j's own; the
+     owners' positions (the distinct misses) are compacted into mpos by a
+     running cumsum, sorted ascending (the spec's host-address order) with a
+     sort of 256, 2048 or next_pow2(K*k) keys, whichever is the smallest that
+     holds them (no index payload: positions are distinct), and each rank r
+     writes miss_src[r] and replaces the claim by the rank code -2 - r.
   3. (hits or misses) one pass over lru_order: touched = hot_pos < -1;
      a running cumsum of untouched slots gives the i-th untouched slot (victim
      of rank i < n_fill) and the stable-partition position of every slot, the
@@ -55,7 +57,22 @@ _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
 _BLOCK_B = 1024  # hot slots per chunk in phase 3 when B does not fit one block
 _ONE_BLOCK_B = 4096  # largest B handled as one block (in-place LRU write)
-_NUM_WARPS = 4
+_NUM_WARPS = 8  # at least; more for a wide miss sort (_num_warps)
+
+
+def _num_warps(sort_max: int) -> int:
+    # ~16 sort keys per thread at most (v0's finding: the whole-block sort spills beyond)
+    return max(_NUM_WARPS, min(32, sort_max // 512))
+
+
+@triton.jit
+def _sort_prefix(ptr, count, SIZE: tl.constexpr):
+    """Sorts ptr[0:count] ascending in place (count <= SIZE, distinct values)."""
+    i = tl.arange(0, SIZE)
+    v = tl.load(ptr + i, mask=i < count, other=2147483647)
+    v = tl.sort(v)
+    tl.debug_barrier()  # every entry read before any is overwritten
+    tl.store(ptr + i, v, mask=i < count)
 
 
 @triton.jit
@@ -77,14 +94,14 @@ def _resolve_kernel(
     scratch_ptr, scratch_stride,  # [N, 2W (+ B)] int32: host pos | miss pos | new order
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
-    ONE_B: tl.constexpr,
+    ONE_B: tl.constexpr, SORT_MAX: tl.constexpr,
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ids_ptr + n).to(tl.int64)
     key_ptr = scratch_ptr + n * scratch_stride  # [W] host pos of selection j, else -1
-    mpos_ptr = key_ptr + W  # [W] position of miss rank r
-    order_ptr = mpos_ptr + W  # [B] new lru order (only when not ONE_B)
+    mpos_ptr = key_ptr + W  # [SORT_MAX] position of miss rank r
+    order_ptr = mpos_ptr + SORT_MAX  # [B] new lru order (only when not ONE_B)
     sel_row = sel_ptr + n * sel_stride
     loc_row = loc_ptr + n * W
     miss_src_row = miss_src_ptr + n * W
@@ -97,6 +114,9 @@ def _resolve_kernel(
     hso_row = hot_slot_of_ptr + slot * hot_slot_of_stride
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
+
+    if ONE_B:  # the whole lru_order row, loaded while phase 1 waits on its own loads
+        lru_all = tl.load(lru_row + offs_b, mask=offs_b < B, other=0)
 
     # 1. direct -> hot -> host classification; hits mark their slot, misses claim their row
     n_direct = 0
@@ -111,10 +131,10 @@ def _resolve_kernel(
         pos = tl.maximum(sel, 0)
         page = pos // PAGE_SIZE
         page_base = tl.load(pt_row + page, mask=valid & (page < max_pages), other=-1)
+        # hot_slot_of is read in parallel with the page table (one dependent step less)
+        hot_slot = tl.load(hso_row + pos, mask=valid & (pos < max_pos), other=-1)
         direct = valid & (page_base >= 0)
-        maybe_hot = valid & ~direct & (pos < max_pos)
-        hot_slot = tl.load(hso_row + pos, mask=maybe_hot, other=-1)
-        hot = maybe_hot & (hot_slot >= 0)
+        hot = valid & ~direct & (hot_slot >= 0)
         hot_row = tl.load(hot_rows_row + hot_slot, mask=hot, other=-1)
         host = valid & ~direct & ~hot
         loc = tl.where(direct, page_base + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
@@ -128,7 +148,8 @@ def _resolve_kernel(
         n_touch += tl.sum((hot & (old >= 0)).to(tl.int32))
     tl.debug_barrier()
 
-    # 2. distinct misses in order of first appearance: owners ranked by cumsum
+    # 2. distinct misses: owners (smallest j) are compacted, the few distinct
+    #    positions sorted (ascending = host-address order), ranks scattered back
     n_miss = 0
     base = tl.load(host_base_ptr + slot)
     if n_host > 0:
@@ -139,11 +160,29 @@ def _resolve_kernel(
             claim = tl.load(hso_row + kp, mask=host, other=0)
             own = host & (claim == CLAIM + j)
             o = own.to(tl.int32)
-            r = n_miss + tl.cumsum(o, 0) - o
-            tl.store(hso_row + kp, -2 - r, mask=own)
-            tl.store(mpos_ptr + r, kp, mask=own)
-            tl.store(miss_src_row + r, base + kp.to(tl.int64), mask=own)
+            tl.store(mpos_ptr + n_miss + tl.cumsum(o, 0) - o, kp, mask=own)
             n_miss += tl.sum(o)
+        tl.debug_barrier()
+        if SORT_MAX <= 256:
+            _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+        else:
+            if n_miss <= 256:
+                _sort_prefix(mpos_ptr, n_miss, 256)
+            else:
+                if SORT_MAX <= 2048:
+                    _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+                else:
+                    if n_miss <= 2048:
+                        _sort_prefix(mpos_ptr, n_miss, 2048)
+                    else:
+                        _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+        tl.debug_barrier()
+        for r0 in range(0, n_miss, BLOCK_W):
+            r = r0 + offs_w
+            mr = r < n_miss
+            p = tl.load(mpos_ptr + r, mask=mr, other=0)
+            tl.store(hso_row + p, -2 - r, mask=mr)
+            tl.store(miss_src_row + r, base + p.to(tl.int64), mask=mr)
     for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
         r = r0 + offs_w
         mt = (r >= n_miss) & (r < W)
@@ -161,7 +200,10 @@ def _resolve_kernel(
         for b0 in range(0, B, BLOCK_B):
             b = b0 + offs_b
             mb = b < B
-            slot_b = tl.load(lru_row + b, mask=mb, other=0)
+            if ONE_B:
+                slot_b = lru_all
+            else:
+                slot_b = tl.load(lru_row + b, mask=mb, other=0)
             hp = tl.load(hot_pos_row + slot_b, mask=mb, other=-1)
             t = hp < -1  # hit this call
             u = (mb & ~t).to(tl.int32)
@@ -312,7 +354,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     b_pad = triton.next_power_of_2(max(budget, 1))
     one_b = b_pad <= _ONE_BLOCK_B
     block_b = b_pad if one_b else min(_BLOCK_B, b_pad)
-    scratch = torch.empty(n_batch, 2 * width + (0 if one_b else budget), dtype=torch.int32,
+    sort_max = max(16, triton.next_power_of_2(max(width, 1)))
+    scratch = torch.empty(n_batch, width + sort_max + (0 if one_b else budget), dtype=torch.int32,
                           device=dev)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
@@ -332,7 +375,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             BLOCK_W=block_w,
             BLOCK_B=block_b,
             ONE_B=one_b,
-            num_warps=_NUM_WARPS,
+            SORT_MAX=sort_max,
+            num_warps=_num_warps(sort_max),
             num_stages=1,
         )
     return locations, miss_src, miss_dst, miss_count, counters
