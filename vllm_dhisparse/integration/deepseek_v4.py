@@ -62,19 +62,36 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
     mla = meta[attn.prefix]
     req_idx = swa.token_to_req_indices  # [T] row of each token in the block tables
     num_tokens = q.shape[0]
-    rows_req = worker.rows_to_requests(mla.block_table, layer)  # row -> req id or None
+    rows_req = worker.rows_to_requests(mla.block_table, layer, swa.seq_lens)  # row -> req id or None
     routed = torch.tensor([rows_req[int(r)] is not None for r in req_idx.tolist()],
                           dtype=torch.bool)
     if not bool(routed.any()):
         return _original_forward_mqa(attn, q, kv, positions, output)
-    if not bool(routed.all()):
-        # Prefill tokens of other requests read vLLM's cache as usual; routed
-        # tokens are recomputed below and overwrite their rows.
-        _original_forward_mqa(attn, q, kv, positions, output)
-
     idx = routed.nonzero().flatten()  # [T_r]
-    q_r, pos_r, req_r = q[idx], positions[idx], req_idx[idx]
-    topk = attn.topk_indices_buffer[:num_tokens][idx]  # [T_r, k] request-local rows
+    topk = attn.topk_indices_buffer[:num_tokens][idx]  # [T_r, k] request-local rows (a copy)
+    req_r = req_idx[idx]
+    if not bool(routed.all()):
+        # Prefill tokens of other requests read vLLM's cache as usual; routed tokens
+        # are recomputed below and overwrite their outputs.  With device_window_tokens
+        # vLLM has freed (and may have reused) the routed requests' blocks behind the
+        # window: for this call their block-table rows point at their newest (live)
+        # block, so every row read is finite.  Selections stay as they are: the CPU
+        # kernel's results for one token depend on the others' selections (not on their
+        # finite values), so the prefill tokens get exactly what resident serving gives.
+        bt = mla.block_table
+        tokens_per_block = layer.rows_per_block * layer.compress_ratio
+        saved = {}
+        for row in sorted(set(req_r.tolist())):
+            newest = (int(swa.seq_lens[row]) - 1) // tokens_per_block
+            saved[row] = bt[row].clone()
+            bt[row] = bt[row, min(newest, bt.shape[1] - 1)]
+        try:
+            _original_forward_mqa(attn, q, kv, positions, output)
+        finally:
+            for row, values in saved.items():
+                bt[row] = values
+
+    q_r, pos_r = q[idx], positions[idx]
     locations = worker.resolve_tokens(layer, req_r, topk, rows_req)  # [T_r, k] int64 pool rows
 
     # Sliding window, exactly as upstream (positions are absolute).

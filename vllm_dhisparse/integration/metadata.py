@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+                                                               KVConnectorWorkerMetadata)
 
 
 @dataclass
@@ -26,3 +27,14 @@ class DHiSparseMetadata(KVConnectorMetadata):
     requests: list[RequestStep] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class DHiSparseWorkerMetadata(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler half after a step: requests that failed."""
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "DHiSparseWorkerMetadata":
+        if isinstance(other, DHiSparseWorkerMetadata):
+            return DHiSparseWorkerMetadata({**self.failed, **other.failed})
+        return self

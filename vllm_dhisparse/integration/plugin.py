@@ -22,6 +22,15 @@ def register() -> None:
 
         apply_cpu_compat()
     _register_connector()
+    _install_kv_spec()
+
+
+def _install_kv_spec() -> None:
+    # The windowed c4a spec must be known in the engine-core process (scheduler)
+    # and the worker; it only takes effect when DHiSparseConnector is configured.
+    from .kv_spec import install
+
+    install()
 
 
 def _register_connector() -> None:

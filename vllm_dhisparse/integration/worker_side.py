@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig, SourceSpec
 
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
+from .stats import StatsCollector, time_resolve_enabled
 
 logger = init_logger(__name__)
 
@@ -41,9 +43,14 @@ class TrackedRequest:
     max_tokens: int
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0  # this step's tokens (prefill chunk, or anchor + drafts)
     admitted: bool = False
     failed: str | None = None
     rows: dict[str, int] = field(default_factory=dict)  # committed rows per source
+    # Rows captured from vLLM's cache after each prefill forward, before vLLM may free
+    # their blocks (device_window_tokens > 0); imported at admission.
+    captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    captured_rows: dict[str, int] = field(default_factory=dict)
 
 
 class WorkerSide:
@@ -61,6 +68,15 @@ class WorkerSide:
         self.failed: dict[str, str] = {}
         self.fresh_rows: dict[str, int] = {}  # per source: staging columns for this step's rows
         self.fresh_selections = 0  # selections of rows computed this step (tail, direct)
+        self.step_req_ids: list[str] = []  # requests scheduled in the current step
+        self.failed_unreported: dict[str, str] = {}  # for the scheduler (worker metadata)
+        self.failed_total = 0
+        # metrics (stats.py): valid selections counted here, independently of the resolver's
+        # direct/hot/host census; resolve call times on CPU (or DHISPARSE_TIME_RESOLVE=1)
+        self.selected_rows = 0
+        self.resolve_times: list[float] = []
+        self.time_resolve = time_resolve_enabled(device.type)
+        self.stats_collector = StatsCollector()
 
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -85,8 +101,21 @@ class WorkerSide:
                     f"{host_rows} rows per sparse layer, fewer than one request of max_model_len "
                     f"{self.max_model_len} needs ({layer_rows}); raise host_pool_gib")
             history_pages = -(-layer_rows // page)
-            device_pages = self.max_num_seqs * (per_req_pages + history_pages) \
-                + self.cfg.admission_reserve_pages
+            floor = self.max_num_seqs * per_req_pages + self.cfg.admission_reserve_pages
+            device_pages = self.cfg.device_pool_pages or \
+                (self.max_num_seqs * (per_req_pages + history_pages) + self.cfg.admission_reserve_pages)
+            if device_pages < floor:
+                raise ValueError(
+                    f"kv_connector_extra_config['device_pool_pages'] = {device_pages} is below what "
+                    f"max_num_seqs={self.max_num_seqs} running requests require ({per_req_pages} "
+                    f"pages each: hot cache, tail, staging) plus admission_reserve_pages "
+                    f"{self.cfg.admission_reserve_pages}; allowed >= {floor} (or 0 = auto)")
+            if self.cfg.device_window_tokens and host_rows < self.max_num_seqs * layer_rows:
+                raise ValueError(
+                    f"kv_connector_extra_config['host_pool_gib'] = {self.cfg.host_pool_gib} holds "
+                    f"{host_rows} rows per sparse layer; with device_window_tokens > 0 every "
+                    f"running request's history must fit the host pool ({self.max_num_seqs} x "
+                    f"{layer_rows} rows); raise host_pool_gib or lower max_num_seqs")
             self.fresh_rows[name] = fresh
             specs.append(SourceSpec(
                 name=name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
@@ -112,6 +141,7 @@ class WorkerSide:
             if req is not None and req.admitted:
                 (h.preempt if rid in meta.preempted else h.finish)(rid)
             self.failed.pop(rid, None)
+        self.step_req_ids = [rs.req_id for rs in meta.requests]
         for rs in meta.requests:
             req = self.requests.get(rs.req_id)
             if req is None or rs.replace_blocks:
@@ -124,21 +154,64 @@ class WorkerSide:
                 for group, new in zip(req.block_ids, rs.block_ids):
                     group.extend(new)
             req.num_computed_tokens = rs.num_computed_tokens
+            req.num_scheduled_tokens = rs.num_scheduled_tokens
             if req.failed:
                 continue
             try:
-                if not req.admitted and rs.num_computed_tokens >= max(1, rs.prompt_len):
+                # With a device window, admission happens in end_step (right after the
+                # prefill forward); a request not admitted by then has failed.
+                if not req.admitted and not self.cfg.device_window_tokens \
+                        and rs.num_computed_tokens >= max(1, rs.prompt_len):
                     self._admit(req)
                 if req.admitted:
                     self._commit_rows(req)
             except HostBackupError as e:
-                # The request cannot be served exactly any more; fail it alone.
-                req.failed = str(e)
-                self.failed[rs.req_id] = str(e)
-                if req.admitted:
-                    h.preempt(rs.req_id)
-                    req.admitted = False
-                logger.error("DHiSparse: request %s failed: %s", rs.req_id, e)
+                self._fail(req, str(e))
+
+    def _fail(self, req: TrackedRequest, why: str) -> None:
+        """The request cannot be served exactly any more: fail it alone (the scheduler
+        half finishes it with an error, see scheduler_hooks.py)."""
+        if req.failed:
+            return
+        req.failed = why
+        self.failed[req.req_id] = why
+        self.failed_unreported[req.req_id] = why
+        self.failed_total += 1
+        req.captured.clear()
+        if req.admitted:
+            self.hierarchy.preempt(req.req_id)
+            req.admitted = False
+        logger.error("DHiSparse: request %s failed: %s", req.req_id, why)
+
+    def capture_step(self) -> None:
+        """After the forward (``wait_for_save``): rows this step wrote for requests not yet
+        admitted are copied out of vLLM's cache, and requests whose prefill completed are
+        admitted.  vLLM frees c4a blocks behind ``device_window_tokens`` only once this
+        step's output is processed, so nothing here can have been overwritten yet."""
+        window = self.cfg.device_window_tokens
+        for rid in self.step_req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.admitted or req.failed:
+                continue
+            done = req.num_computed_tokens + req.num_scheduled_tokens
+            try:
+                if window:
+                    for name, layer in self.layers.items():
+                        have, want = req.captured_rows.get(name, 0), done // layer.compress_ratio
+                        if want > have:
+                            req.captured.setdefault(name, []).append(
+                                self._vllm_rows(req, layer, have, want).cpu())
+                            req.captured_rows[name] = want
+                if done >= max(1, req.prompt_len):
+                    req.num_computed_tokens = done
+                    self._admit(req)
+                    if not req.admitted and window:
+                        self._fail(req, "no room in the hierarchy (device slots or host extent) "
+                                        "to hold the history vLLM frees behind "
+                                        "device_window_tokens; raise host_pool_gib / "
+                                        "device_pool_pages or lower max_num_seqs")
+            except HostBackupError as e:
+                self._fail(req, str(e))
 
     def _committed_rows(self, req: TrackedRequest, layer: SparseLayer) -> int:
         return req.num_computed_tokens // layer.compress_ratio  # eq. 8: complete rows only
@@ -165,7 +238,13 @@ class WorkerSide:
         imported, max_rows = {}, {}
         for name, layer in self.layers.items():
             n = self._committed_rows(req, layer)
-            imported[name] = self._vllm_rows(req, layer, 0, n)
+            if self.cfg.device_window_tokens:  # captured after each forward
+                parts = req.captured.get(name) or []
+                rows = torch.cat(parts) if parts else torch.empty((0, layer.row_bytes), dtype=torch.uint8)
+                assert rows.shape[0] == n, (req.req_id, name, rows.shape[0], n)
+                imported[name] = rows
+            else:
+                imported[name] = self._vllm_rows(req, layer, 0, n)
             spec_rows = h.source(name).spec.max_rows
             max_rows[name] = min(spec_rows, -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
         if self.cfg.debug_fail_backup_of and req.req_id.startswith(self.cfg.debug_fail_backup_of):
@@ -177,6 +256,7 @@ class WorkerSide:
             return
         req.admitted = True
         req.rows = {name: imported[name].shape[0] for name in self.layers}
+        req.captured.clear()
 
     def _commit_rows(self, req: TrackedRequest) -> None:
         for name, layer in self.layers.items():
@@ -191,34 +271,50 @@ class WorkerSide:
         pool = self.hierarchy.source(layer.name).pool
         return pool.storage.view(1, -1), pool.num_rows
 
-    def rows_to_requests(self, block_table: torch.Tensor, layer: SparseLayer) -> list[str | None]:
-        """Batch row -> admitted request id, matched by the request's first block in the group."""
-        first = {r.block_ids[layer.group][0]: r.req_id for r in self.requests.values()
-                 if r.admitted and r.block_ids[layer.group]}
-        return [first.get(int(b)) for b in block_table[:, 0].tolist()]
+    def rows_to_requests(self, block_table: torch.Tensor, layer: SparseLayer,
+                         seq_lens: torch.Tensor) -> list[str | None]:
+        """Batch row -> admitted request id, matched by the block holding the request's
+        newest token.  That block is live (never behind the device window), so it belongs
+        to one running request only; a request's first block may have been freed and
+        handed to another request (stale in the worker's block table)."""
+        tokens_per_block = layer.rows_per_block * layer.compress_ratio
+        newest = {}
+        for r in self.requests.values():
+            blocks = r.block_ids[layer.group] if r.admitted else None
+            n = r.num_computed_tokens + r.num_scheduled_tokens
+            if blocks and n > 0 and (n - 1) // tokens_per_block < len(blocks):
+                newest[blocks[(n - 1) // tokens_per_block]] = r.req_id
+        rows = min(block_table.shape[0], seq_lens.shape[0])
+        cols = ((seq_lens[:rows].to(torch.int64) - 1).clamp(min=0) // tokens_per_block).cpu()
+        cols = cols.clamp(max=block_table.shape[1] - 1)
+        ids = block_table[:rows].cpu().gather(1, cols.view(-1, 1)).flatten().tolist()
+        return [newest.get(int(b)) for b in ids] + [None] * (block_table.shape[0] - rows)
 
     def resolve_tokens(self, layer: SparseLayer, req_rows: torch.Tensor, topk: torch.Tensor,
                        rows_req: list[str | None]) -> torch.Tensor:
         """Per-token top-k rows -> pool rows.  topk [T, k] int32 -> [T, k] int64."""
         h = self.hierarchy
         parts = h.source(layer.name)
-        rows = req_rows.tolist()
-        order = list(dict.fromkeys(rows))  # requests in batch order
-        req_ids = [rows_req[r] for r in order]
-        query_of = {}
-        counts = {r: 0 for r in order}
-        for t, r in enumerate(rows):
-            query_of[t] = (order.index(r), counts[r])
-            counts[r] += 1
-        n, kq, top_k = len(order), max(counts.values()), topk.shape[1]
+        # A request's tokens are contiguous in vLLM's batch: group n = n-th run of
+        # equal rows, query j = position inside the run (anchor first, eq. 5).
+        runs, tok_n, counts = torch.unique_consecutive(
+            req_rows.cpu(), return_inverse=True, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts  # [N]
+        tok_j = torch.arange(req_rows.numel()) - starts[tok_n]
+        req_ids = [rows_req[r] for r in runs.tolist()]
+        n, kq, top_k = runs.numel(), int(counts.max()), topk.shape[1]
         sel = torch.full((n, kq, top_k), -1, dtype=torch.int32, device=topk.device)
-        tok_n = torch.tensor([query_of[t][0] for t in range(len(rows))], dtype=torch.int64)
-        tok_j = torch.tensor([query_of[t][1] for t in range(len(rows))], dtype=torch.int64)
         sel[tok_n, tok_j] = topk.to(torch.int32)
         committed = torch.tensor([self.requests[r].rows[layer.name] for r in req_ids],
                                  dtype=torch.int32, device=sel.device).view(n, 1, 1)
         fresh = sel >= committed  # rows computed this step: not in the hierarchy yet
+        t0 = time.perf_counter()
         locs, _ = h.resolve(layer.name, req_ids, torch.where(fresh, -1, sel))
+        if self.time_resolve:
+            if sel.is_cuda:
+                torch.cuda.synchronize(sel.device)
+            self.resolve_times.append(time.perf_counter() - t0)
+        self.selected_rows += int((sel >= 0).sum())
         locs = locs.to(torch.int64)
         cap = self.fresh_rows[layer.name]
         for i, rid in enumerate(req_ids):
@@ -239,7 +335,12 @@ class WorkerSide:
 
     def end_step(self) -> None:
         if self.hierarchy is not None:
+            self.capture_step()
             self.hierarchy.step()
+            for rid, why in self.hierarchy.take_failures().items():
+                if rid in self.requests:  # the hierarchy already released it
+                    self.requests[rid].admitted = False
+                    self._fail(self.requests[rid], why)
             if self.cfg.stats_file:
                 write_json_atomic(self.cfg.stats_file, self.summary())
 
@@ -256,9 +357,17 @@ class WorkerSide:
             tot["resolve_calls"] += r["calls"]
         tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
         tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
-                   finished=st["finished"], preempted=st["preempted"], failed=len(self.failed),
+                   finished=st["finished"], preempted=st["preempted"], failed=self.failed_total,
                    step=st["step"])
         return dict(totals=tot, sources=st["sources"])
+
+    def take_failed(self) -> dict[str, str]:
+        out, self.failed_unreported = self.failed_unreported, {}
+        return out
+
+    def get_kv_connector_stats(self):
+        """Deltas since the previous call, for vLLM's metrics path (stats.py)."""
+        return self.stats_collector.collect(self)
 
     def finished_ids(self) -> set[str]:
         return set(self.failed)

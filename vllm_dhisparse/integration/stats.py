@@ -1,0 +1,291 @@
+"""Connector metrics through vLLM's own path: worker stats -> scheduler -> Prometheus.
+
+Flow (vLLM 0.32/0.33): after every forward the model runner calls
+``DHiSparseConnector.get_kv_connector_stats()``; the worker answers a
+:class:`DHiSparseConnectorStats` holding what changed *since its last answer*
+(counters as deltas, gauges as latest values, resolver call times as samples).
+vLLM aggregates the objects of all workers (``aggregate``), ships
+``to_dict()`` to the front-end, and hands it to
+:class:`DHiSparsePromMetrics.observe`, which increments counters, sets gauges
+and observes the histogram.  Metrics are created only through the metric
+classes vLLM passes in (``prometheus_client`` ones, or the Ray wrappers), so
+the Ray metrics path works too.
+
+All names live under ``vllm:dhisparse_*`` (never upstream's ``vllm:hisparse_*``).
+Values are summed over the hierarchy's sources (one per sparse layer).  Counter
+semantics: ``direct + hot + host = selected`` (each valid top-k selection is
+resolved by exactly one path; rows computed in the current step count as
+direct: they are tail rows) and ``host_to_device_bytes = rows_fetched x row
+bytes`` (distinct rows copied, not selections).  Coverage is
+``ready_optional_rows / eligible_history_rows``, computed in PromQL.
+
+Resolver call time: ``time.perf_counter`` around ``KVHierarchy.resolve`` in
+``WorkerSide.resolve_tokens``.  On CUDA that would time kernel launches, not
+work, unless synchronized; it is recorded only on CPU devices or when
+``DHISPARSE_TIME_RESOLVE=1`` is set (which adds a ``torch.cuda.synchronize``).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
+                                                                  KVConnectorStats, PromMetric,
+                                                                  PromMetricT)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .worker_side import WorkerSide
+
+TIME_RESOLVE_ENV = "DHISPARSE_TIME_RESOLVE"
+INTERVAL_ENV = "DHISPARSE_STATS_INTERVAL_S"
+MAX_TIME_SAMPLES = 4096  # per collection; the worker is drained every step
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    key: str  # key in the stats payload
+    name: str  # Prometheus name (counters are exposed with a ``_total`` suffix)
+    kind: str  # "counter" | "gauge" | "histogram"
+    doc: str
+
+
+def _c(key, doc):
+    return MetricDef(key, f"vllm:dhisparse_{key}", "counter", doc)
+
+
+def _g(key, doc):
+    return MetricDef(key, f"vllm:dhisparse_{key}", "gauge", doc)
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # -- resolver census (counters, deltas per interval) --
+    _c("selected_rows", "Top-k row selections read through the hierarchy (all paths; "
+                        "= direct + hot + host)."),
+    _c("selected_rows_direct", "Selections resolved directly on device: tail rows, rows of this "
+                               "step, optional history pages."),
+    _c("selected_rows_hot", "Selections resolved through the per-request hot cache."),
+    _c("selected_rows_host", "Selections whose row was fetched from host memory."),
+    _c("rows_fetched", "Distinct rows copied host->device (a row selected by several verify "
+                       "queries of one step is fetched once)."),
+    _c("host_to_device_bytes", "Bytes copied host->device by the resolver (= rows_fetched x row "
+                               "bytes)."),
+    _c("verify_host_selections", "Host-path selections in multi-query (verification) resolves."),
+    _c("verify_rows_fetched", "Distinct rows fetched in multi-query (verification) resolves; "
+                              "verify_host_selections / verify_rows_fetched = shared retrieval."),
+    _c("resolve_calls", "Resolver calls (one per sparse layer per step with admitted requests)."),
+    # -- residency events (counters) --
+    _c("reclaim_events", "Admissions that reclaimed the optional history of at least one "
+                         "request (eq. 4)."),
+    _c("requests_reclaimed", "Requests whose optional history was reclaimed."),
+    _c("pages_reclaimed", "Optional / pending device pages returned to the pool by reclaim."),
+    _c("pages_repopulated", "Optional-history pages copied back to device and published."),
+    _c("host_pages_written", "Pages written to the host backing store (backups)."),
+    _c("host_backups_deferred", "Imported pages kept on device without a host copy (backup "
+                                "deferred until reclaim)."),
+    _c("admissions", "Requests admitted into the hierarchy."),
+    _c("admissions_waited", "Admission attempts that had to wait for device memory (or a slot)."),
+    # -- state (gauges, latest values) --
+    _g("admitted_requests", "Requests admitted into the hierarchy (allocated request slots)."),
+    _g("eligible_history_rows", "Rows of complete imported-history pages that optional "
+                                "residency may keep on device (coverage denominator)."),
+    _g("ready_optional_rows", "Optional-history rows ready (published) on device (coverage "
+                              "numerator)."),
+    _g("optional_pages", "Optional-history device pages held (ready)."),
+    _g("pending_pages", "Device pages being repopulated (copy in flight, not yet published)."),
+    _g("required_pages", "Required device pages held (hot cache, tail, staging)."),
+    _g("reserve_pages", "Admission reserve M_res (pages kept free for admissions)."),
+    _g("free_pages", "Free device pages of the hierarchy's pools."),
+    _g("device_pages", "Device pages of the hierarchy's pools (M)."),
+    _g("host_bytes_used", "Host backing store bytes reserved by admitted requests."),
+    _g("host_bytes_total", "Host backing store capacity, bytes."),
+    _g("staging_bytes", "Device bytes of verification staging rows held by admitted requests."),
+    # -- resolver latency --
+    MetricDef("resolve_seconds", "vllm:dhisparse_resolve_seconds", "histogram",
+              "Wall time of one KVHierarchy.resolve call (recorded on CPU, or with "
+              f"{TIME_RESOLVE_ENV}=1)."),
+)
+COUNTERS = tuple(m for m in METRICS if m.kind == "counter")
+GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
+HISTOGRAMS = tuple(m for m in METRICS if m.kind == "histogram")
+RESOLVE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                   0.1, 0.25, 0.5, 1.0)
+
+
+def exposed_names(m: MetricDef) -> tuple[str, ...]:
+    """Sample names Prometheus scrapes for ``m`` (what a dashboard may query)."""
+    if m.kind == "counter":
+        return (m.name + "_total",)
+    if m.kind == "histogram":
+        return tuple(m.name + s for s in ("_bucket", "_sum", "_count"))
+    return (m.name,)
+
+
+# -- stats object (travels worker -> scheduler -> front-end) -------------------------------
+@dataclass
+class DHiSparseConnectorStats(KVConnectorStats):
+    """``data = {"counters": {key: delta}, "gauges": {key: value}, "resolve_seconds": [s, ...]}``.
+
+    Plain dicts / lists of numbers: serializable across vLLM's process boundaries.
+    """
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {"counters": {}, "gauges": {}, "resolve_seconds": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if other.is_empty():
+            return self
+        assert isinstance(other, DHiSparseConnectorStats), type(other)
+        counters = self.data["counters"]
+        for k, v in other.data["counters"].items():
+            counters[k] = counters.get(k, 0) + v
+        self.data["gauges"].update(other.data["gauges"])  # latest value wins
+        self.data["resolve_seconds"].extend(other.data["resolve_seconds"])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        c, g = self.data["counters"], self.data["gauges"]
+        out: dict[str, int | float] = {
+            f"DHiSparse {k}": c.get(k, 0)
+            for k in ("selected_rows", "selected_rows_host", "rows_fetched", "host_to_device_bytes")}
+        if g.get("eligible_history_rows"):
+            out["DHiSparse coverage %"] = round(
+                100 * g.get("ready_optional_rows", 0) / g["eligible_history_rows"], 1)
+        if c.get("selected_rows"):
+            out["DHiSparse host-fetched share %"] = round(
+                100 * c.get("selected_rows_host", 0) / c["selected_rows"], 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.data["counters"] or self.data["gauges"] or self.data["resolve_seconds"])
+
+
+# -- worker side: cumulative hierarchy counters -> per-interval deltas ------------------------
+class StatsCollector:
+    """Turns the worker's cumulative counters into deltas since the previous ``collect``.
+
+    Reading the resolver's device-side counters forces a host sync, so on CUDA
+    collections are spaced by ``min_interval_s`` (default 1 s; env
+    ``DHISPARSE_STATS_INTERVAL_S``); in between ``collect`` answers None and the
+    deltas simply land in the next collection.  On CPU every step collects.
+    """
+
+    def __init__(self, min_interval_s: float | None = None):
+        self._last: dict[str, int] = {}
+        self._last_time = float("-inf")
+        self.min_interval_s = min_interval_s
+
+    @staticmethod
+    def cumulative(worker: "WorkerSide") -> tuple[dict[str, int], dict[str, int]]:
+        """``(counters, gauges)`` now, summed over sources."""
+        h = worker.hierarchy
+        st = h.stats()
+        counters = dict.fromkeys((m.key for m in COUNTERS), 0)
+        gauges = dict.fromkeys((m.key for m in GAUGES), 0)
+        counters["selected_rows"] = worker.selected_rows
+        counters["selected_rows_direct"] = worker.fresh_selections
+        for name, src in st["sources"].items():
+            r = src["resolver"]
+            counters["selected_rows_direct"] += r["direct"]
+            counters["selected_rows_hot"] += r["hot"]
+            counters["selected_rows_host"] += r["host"]
+            counters["rows_fetched"] += r["fetched"]
+            counters["host_to_device_bytes"] += r["bytes_fetched"]
+            counters["verify_host_selections"] += r["verify_host_selections"]
+            counters["verify_rows_fetched"] += r["verify_fetched"]
+            counters["resolve_calls"] += r["calls"]
+            for key in ("reclaim_events", "requests_reclaimed", "pages_reclaimed",
+                        "pages_repopulated", "host_pages_written", "host_backups_deferred"):
+                counters[key] += src[key]
+            gauges["eligible_history_rows"] += src["eligible_history_rows"]
+            gauges["ready_optional_rows"] += src["ready_optional_rows"]
+            gauges["optional_pages"] += src["optional_pages"]
+            gauges["pending_pages"] += src["pending_pages"]
+            gauges["required_pages"] += src["required_pages"]
+            gauges["reserve_pages"] += src["reserve_pages"]
+            gauges["free_pages"] += src["free_pages"]
+            gauges["device_pages"] += src["device_pages"]
+            gauges["host_bytes_used"] += src["host_bytes_used"]
+            gauges["host_bytes_total"] += src["host_bytes_total"]
+            parts = h.source(name)
+            rm = parts.residency
+            gauges["staging_bytes"] += (rm.staging_pages * len(rm.requests) * rm.page_size
+                                        * parts.spec.row_bytes)
+        counters["admissions"] = st["admissions"]
+        counters["admissions_waited"] = st["admissions_waited"]
+        gauges["admitted_requests"] = st["admitted"]
+        return counters, gauges
+
+    def collect(self, worker: "WorkerSide") -> DHiSparseConnectorStats | None:
+        if worker.hierarchy is None:
+            return None
+        if self.min_interval_s is None:
+            default = "0" if worker.device.type == "cpu" else "1"
+            self.min_interval_s = float(os.environ.get(INTERVAL_ENV, default))
+        now = time.monotonic()
+        if now - self._last_time < self.min_interval_s:
+            return None
+        self._last_time = now
+        counters, gauges = self.cumulative(worker)
+        deltas = {k: v - self._last.get(k, 0) for k, v in counters.items()}
+        assert all(d >= 0 for d in deltas.values()), f"counters went backwards: {deltas}"
+        self._last = counters
+        times = worker.resolve_times[-MAX_TIME_SAMPLES:]
+        worker.resolve_times.clear()
+        return DHiSparseConnectorStats(data={
+            "counters": {k: d for k, d in deltas.items() if d},
+            "gauges": gauges,
+            "resolve_seconds": times,
+        })
+
+
+def time_resolve_enabled(device_type: str) -> bool:
+    flag = os.environ.get(TIME_RESOLVE_ENV)
+    if flag is not None:
+        return flag not in ("", "0", "false", "False")
+    return device_type == "cpu"
+
+
+# -- front-end: Prometheus metrics ----------------------------------------------------------
+class DHiSparsePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: "VllmConfig",
+                 metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        self.gauges: dict[str, dict[int, Any]] = {}
+        self.histograms: dict[str, dict[int, Any]] = {}
+        for m in COUNTERS:
+            metric = self._counter_cls(name=m.name, documentation=m.doc, labelnames=labelnames)
+            self.counters[m.key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        for m in GAUGES:
+            metric = self._gauge_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
+                                     multiprocess_mode="mostrecent")
+            self.gauges[m.key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        for m in HISTOGRAMS:
+            metric = self._histogram_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
+                                         buckets=list(RESOLVE_BUCKETS))
+            self.histograms[m.key] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, value in transfer_stats_data.get("counters", {}).items():
+            self.counters[key][engine_idx].inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            self.gauges[key][engine_idx].set(value)
+        for value in transfer_stats_data.get("resolve_seconds", []):
+            self.histograms["resolve_seconds"][engine_idx].observe(value)
+
+
+assert len({m.name for m in METRICS}) == len(METRICS), "duplicate metric names"
+assert all(m.name.startswith("vllm:dhisparse_") for m in METRICS)
+# Keep the unused imports meaningful: the default classes vLLM passes without Ray.
+DEFAULT_METRIC_TYPES = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
