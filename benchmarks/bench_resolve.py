@@ -99,8 +99,7 @@ def run_miss_path(cfg, resolve_fn, gather_fn, dev, failures, graph) -> list:
                 miss_bytes = chk["unique_misses"] * row_bytes
 
                 def call(sel=sel, st=st):
-                    loc, src, dst, cnt, _ = resolve_fn(*st.resolve_args(sel, slot_ids))
-                    gather_fn(st.host_rows, st.device_rows, src, dst, cnt)
+                    C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
 
                 t = C.time_gpu(call, setup=st.restore, reps=cfg["miss_reps"], graph=graph)
                 s = t.summary()
@@ -184,8 +183,7 @@ def run_nomiss_path(cfg, resolve_fn, gather_fn, dev, failures, graph) -> list:
                                         f"{chk['unique_misses']}")
 
                     def call(sel=sel, st=st):
-                        loc, src, dst, cnt, _ = resolve_fn(*st.resolve_args(sel, slot_ids))
-                        gather_fn(st.host_rows, st.device_rows, src, dst, cnt)
+                        C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
 
                     t = C.time_gpu(call, setup=st.restore, reps=cfg["nm_reps"], graph=graph,
                                    spacer_us=100.0)

@@ -257,8 +257,7 @@ def main(argv=None) -> int:
                                 f"misses {chk['unique_misses']} vs built {n * n_miss}")
 
             def ours(st=st, sel=sel):
-                loc, src, dst, cnt, _ = resolve_fn(*st.resolve_args(sel, slot_ids))
-                gather_fn(st.host_rows, st.device_rows, src, dst, cnt)
+                C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
 
             t_ours = C.time_gpu(ours, setup=st.restore, reps=cfg["reps"], spacer_us=SPACER_US).summary()
             res = dict(batch=n, miss_frac=frac, misses_per_request=n_miss, top_k=cfg["top_k"],

@@ -92,6 +92,19 @@ def interpreting() -> bool:
 
 
 # ------------------------------------------------------------------ kernels
+def resolve_and_copy(resolve_fn, gather_fn, st, selections, slot_ids):
+    """The production call (what the Resolver façade does for one plane): the Triton
+    ``resolve`` is handed the row tensors and copies the misses itself (fused
+    into its kernel when K*k is small, else by a gather launch); the reference
+    resolves, then gathers."""
+    args = st.resolve_args(selections, slot_ids)
+    if getattr(resolve_fn, "__module__", "").endswith("triton_kernels.resolve"):
+        return resolve_fn(*args, host_rows=st.host_rows, device_rows=st.device_rows)
+    out = resolve_fn(*args)
+    gather_fn(st.host_rows, st.device_rows, out[1], out[2], out[3])
+    return out
+
+
 def load_impl(impl: str):
     """(resolve_fn, gather_fn) for ``triton`` or ``reference``."""
     from vllm_dhisparse.triton_kernels import reference
@@ -379,8 +392,7 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
                 st.hot_rows, ref_tables["lru_order"], ref_tables["hot_slot_of"],
                 st.staging_rows, st.host_base)
     r_loc, r_src, r_dst, r_cnt, r_ctr = resolve_reference(*ref_args)
-    loc, src, dst, cnt, ctr = resolve_fn(*st.resolve_args(selections, slot_ids))
-    gather_fn(st.host_rows, st.device_rows, src, dst, cnt)
+    loc, src, dst, cnt, ctr = resolve_and_copy(resolve_fn, gather_fn, st, selections, slot_ids)
     msgs = []
     if not torch.equal(loc, r_loc):
         bad = (loc != r_loc).nonzero()

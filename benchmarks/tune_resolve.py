@@ -32,14 +32,31 @@ import common as C  # noqa: E402
 R = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
 from vllm_dhisparse.triton_kernels import gather_rows  # noqa: E402
 
+DEFAULTS = dict(_BLOCK_W=2048, _BLOCK_B=1024, _ONE_BLOCK_B=4096, _NUM_WARPS=8,
+                _FUSE_MAX_WIDTH=4096, _COPY_ELEMS=4096, _SKIP=0, copy=False)
 VARIANTS = {
-    "v1": dict(_BLOCK_W=2048, _BLOCK_B=1024, _ONE_BLOCK_B=4096, _NUM_WARPS=8),
+    "v1": dict(),
+    "fused": dict(copy=True),
+    "fused8k": dict(copy=True, _COPY_ELEMS=8192),
+    "chunk": dict(_ONE_BLOCK_B=0),
+    "chunk_fused": dict(_ONE_BLOCK_B=0, copy=True),
+    "chunk512_fused": dict(_ONE_BLOCK_B=0, _BLOCK_B=512, _BLOCK_W=1024, copy=True),
 }
+# phase breakdown (resolve only, results wrong on purpose: never checked)
+SKIPS = {"p1": 7, "p1_noatomic": 15, "p12": 6, "p123": 4}
 
-def use(variant: str):
-    for k, v in VARIANTS[variant].items():
-        setattr(R, k, v)
-    return R.resolve
+
+def use(variant: str, skip: int = 0):
+    cfg = dict(DEFAULTS, **VARIANTS[variant], _SKIP=skip)
+    for k, v in cfg.items():
+        if k.startswith("_"):
+            setattr(R, k, v)
+    if not cfg["copy"]:
+        return R.resolve, gather_rows
+
+    def fused(*args):  # resolve copies (fused when K*k <= _FUSE_MAX_WIDTH)
+        return R.resolve(*args, host_rows=use.st.host_rows, device_rows=use.st.device_rows)
+    return fused, (lambda *a: None)
 
 
 def main() -> int:
@@ -47,15 +64,20 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--no-v0", action="store_true")
+    ap.add_argument("--no-nomiss", action="store_true")
+    ap.add_argument("--graph-only", action="store_true")
+    ap.add_argument("--breakdown-batches", default="8,160")
     args = ap.parse_args()
     dev = C.device()
     variants = args.variants.split(",")
     old = None
-    if not args.smoke:
+    if not args.smoke and not args.no_v0:
         old = importlib.import_module("versions.resolve_v0").resolve
     if args.smoke:
-        for v in VARIANTS.values():
-            v.update(_BLOCK_W=min(v["_BLOCK_W"], 8), _BLOCK_B=4, _ONE_BLOCK_B=min(v["_ONE_BLOCK_B"], 32))
+        for v in [DEFAULTS] + list(VARIANTS.values()):
+            v.update(_BLOCK_W=min(v.get("_BLOCK_W", 2048), 8), _BLOCK_B=4,
+                     _ONE_BLOCK_B=min(v.get("_ONE_BLOCK_B", 4096), 32))
     scfg = BS.SMOKE if args.smoke else BS.REAL
     ncfg = BR.SMOKE if args.smoke else BR.REAL
     rows, failures = [], []
@@ -73,35 +95,46 @@ def main() -> int:
         for frac in scfg["miss_fracs"]:
             st, sel, _, n_miss = BS.build_case(n, scfg, frac, host, dev, seed=n * 100 + int(frac * 100))
             case = f"sglang b={n} miss={frac:.0%}"
+            use.st = st
             for name in variants + (["v0"] if old else []):
-                fn = old if name == "v0" else use(name)
+                fn, gfn = (old, gather_rows) if name == "v0" else use(name)
                 if name != "v0":
-                    chk = C.check_against_reference(st, sel, slot_ids, fn, gather_rows)
+                    chk = C.check_against_reference(st, sel, slot_ids, fn, gfn)
                     if not chk["ok"] or chk["unique_misses"] != n * n_miss:
                         failures.append(f"{case} {name}: {chk['message']}")
                         print(f"  CHECK FAILED {case} {name}: {chk['message']}", flush=True)
                         continue
 
-                def call(fn=fn, st=st, sel=sel, slot_ids=slot_ids):
+                def call(fn=fn, gfn=gfn, st=st, sel=sel, slot_ids=slot_ids):
                     loc, src, dst, cnt, _ = fn(*st.resolve_args(sel, slot_ids))
-                    gather_rows(st.host_rows, st.device_rows, src, dst, cnt)
+                    gfn(st.host_rows, st.device_rows, src, dst, cnt)
 
-                record(case, name, C.time_gpu(call, setup=st.restore, reps=scfg["reps"],
-                                              spacer_us=1000.0))
+                if not args.graph_only:
+                    record(case, name, C.time_gpu(call, setup=st.restore, reps=scfg["reps"],
+                                                  spacer_us=1000.0))
                 record(case, name + "_graph", C.time_gpu(call, setup=st.restore, reps=scfg["reps"],
                                                          spacer_us=100.0, graph=True))
                 if name == variants[0]:
-                    def call_r(fn=fn, st=st, sel=sel, slot_ids=slot_ids):
-                        fn(*st.resolve_args(sel, slot_ids))
-                    record(case, name + "_resolve_graph",
-                           C.time_gpu(call_r, setup=st.restore, reps=scfg["reps"], spacer_us=100.0,
-                                      graph=True))
+                    skips = {"": 0}
+                    if str(n) in args.breakdown_batches.split(","):
+                        skips.update({"_" + k: v for k, v in SKIPS.items()})
+                    for tag, skip in skips.items():
+                        rfn, _ = use(name, skip)
+
+                        def call_r(fn=rfn, st=st, sel=sel, slot_ids=slot_ids):
+                            fn(*st.resolve_args(sel, slot_ids))
+                        record(case, name + "_resolve" + tag + "_graph",
+                               C.time_gpu(call_r, setup=st.restore, reps=scfg["reps"],
+                                          spacer_us=100.0, graph=True))
+                    use(name)
             del st
     del host
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
     # ---- no-miss cells (CUDA graph, like bench_resolve.py)
     nm_cases = [(2, 32), (3, 64)] if args.smoke else [(8, 4096), (160, 8192)]
+    if args.no_nomiss:
+        nm_cases = []
     for n, budget in nm_cases:
         host = C.pinned_rows(n * ncfg["nm_rows"], ncfg["nm_row_bytes"], seed=n)
         slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
@@ -111,18 +144,19 @@ def main() -> int:
                 if misses and n != 8:
                     continue
                 case = f"nomiss b={n} B={budget} {mode} m={misses}"
+                use.st = st
                 for name in variants + (["v0"] if old else []):
-                    fn = old if name == "v0" else use(name)
+                    fn, gfn = (old, gather_rows) if name == "v0" else use(name)
                     if name != "v0":
-                        chk = C.check_against_reference(st, sel, slot_ids, fn, gather_rows)
+                        chk = C.check_against_reference(st, sel, slot_ids, fn, gfn)
                         if not chk["ok"]:
                             failures.append(f"{case} {name}: {chk['message']}")
                             print(f"  CHECK FAILED {case} {name}: {chk['message']}", flush=True)
                             continue
 
-                    def call(fn=fn, st=st, sel=sel, slot_ids=slot_ids):
+                    def call(fn=fn, gfn=gfn, st=st, sel=sel, slot_ids=slot_ids):
                         loc, src, dst, cnt, _ = fn(*st.resolve_args(sel, slot_ids))
-                        gather_rows(st.host_rows, st.device_rows, src, dst, cnt)
+                        gfn(st.host_rows, st.device_rows, src, dst, cnt)
 
                     record(case, name, C.time_gpu(call, setup=st.restore, reps=ncfg["nm_reps"],
                                                   graph=True, spacer_us=100.0))
@@ -133,12 +167,20 @@ def main() -> int:
     out.write_text(json.dumps(dict(meta=C.metadata(), variants=VARIANTS, rows=rows,
                                    failures=failures), indent=1))
     # compact table: case x variant medians
-    names = [x for v in variants + ["v0"] for x in (v, v + "_graph")] + [variants[0] + "_resolve_graph"]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
     cases = list(dict.fromkeys(r["case"] for r in rows))
     print("\n" + f"{'case':<34}" + "".join(f"{v[:12]:>13}" for v in names))
     for c in cases:
         med = {r["variant"]: r["median_ms"] * 1e3 for r in rows if r["case"] == c}
         print(f"{c:<34}" + "".join(f"{med[v]:>13.1f}" if v in med else f"{'-':>13}" for v in names))
+    try:  # registers / spills of every compiled resolve kernel (occupancy)
+        for dc in R._resolve_kernel.device_caches.values():
+            for key, k in dc[0].items():
+                cs = {n: v for n, v in getattr(k.src, "constants", {}).items()} if hasattr(k, "src") else {}
+                print(f"regs {k.n_regs:4d} spills {k.n_spills:4d} warps {k.metadata.num_warps} "
+                      f"{ {str(a): b for a, b in cs.items() if not str(a).isdigit()} }")
+    except Exception as e:  # noqa: BLE001
+        print(f"regs: {type(e).__name__}: {e}")
     print("FAILURES: " + ("; ".join(failures) if failures else "none"))
     return 1 if failures else 0
 

@@ -114,15 +114,18 @@ class World:
             sel[n] = rows.int()
         return sel.to(DEVICE)
 
-    def call(self, sel, slot_ids, *, check_bytes=True, context=""):
-        """resolve vs resolve_reference on a shadow copy of the state; gather; byte check."""
+    def call(self, sel, slot_ids, *, check_bytes=True, context="", copy=None):
+        """resolve vs resolve_reference on a shadow copy of the state; gather; byte check.
+        ``copy`` True / False: resolve copies the misses itself (fused / by gather_rows)."""
         if self.ref is None:
             self.ref = [t.clone() for t in self.state()]
         slot_t = torch.tensor(slot_ids, dtype=torch.int32, device=DEVICE)
         args = (self.page_table, self.page_size)
         tail = (self.staging_rows, self.host_base)
+        rows = {} if copy is None else dict(host_rows=self.host_rows, device_rows=self.device_rows,
+                                            fused_copy=copy)
         got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.lru_order,
-                      self.hot_slot_of, *tail)
+                      self.hot_slot_of, *tail, **rows)
         hp, lo, hs = self.ref
         want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, lo, hs, *tail)
         ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
@@ -133,7 +136,8 @@ class World:
             assert_same(name, a, b, ctx)
         if check_bytes:
             locations, miss_src, miss_dst, miss_count, _ = got
-            gather_rows(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
+            if copy is None:
+                gather_rows(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
             self.check_bytes(sel, slot_ids, locations, ctx)
             self.check_cache(ctx)
         return got
@@ -333,6 +337,29 @@ def test_one_block_and_chunked_lru_paths(monkeypatch):
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
         w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}")
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_resolve_copies_its_misses(copy):
+    """host_rows/device_rows given: fused copy (or the gather launch) = gather_rows."""
+    w = World(budget=10, width=12, positions=40, slots=3, batch=2, row_bytes=40)
+    w.make_direct(2, [3])
+    w.warm(0, [1, 2, 3, 4])
+    for step in range(3):
+        w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}", copy=copy)
+
+
+def test_many_programs_path(monkeypatch):
+    """More programs than SMs: chunked B and W (two CTAs per SM), fused copy."""
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
+    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
+    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w.make_direct(2, [3])
+    w.warm(0, [1, 2, 3, 4])
+    for step in range(3):
+        w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}", copy=True)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -138,12 +138,18 @@ class Resolver:
                 raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = {src.budget}: "
                                  f"pass staging_rows [N, >= {need}] int32 (device rows for overflow)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
-        locations, miss_src, miss_dst, miss_count, counters = self._resolve(
-            selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
-            src.lru_order, src.hot_slot_of, staging_rows, src.host_base)
-        for start, plane in self.planes:  # one gather per plane; host rows are whole
-            self._gather(self.host_rows[:, start:start + plane.shape[1]], plane,
-                         miss_src, miss_dst, miss_count)
+        args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
+                src.lru_order, src.hot_slot_of, staging_rows, src.host_base)
+        if self.backend == "triton" and len(self.planes) == 1:
+            # one plane: the resolve launch copies the misses itself (fused when K*k is
+            # small, else it launches the gather)
+            locations, _, _, _, counters = self._resolve(
+                *args, host_rows=self.host_rows, device_rows=self.planes[0][1])
+        else:
+            locations, miss_src, miss_dst, miss_count, counters = self._resolve(*args)
+            for start, plane in self.planes:  # one gather per plane; host rows are whole
+                self._gather(self.host_rows[:, start:start + plane.shape[1]], plane,
+                             miss_src, miss_dst, miss_count)
         per_call = counters.sum(0, dtype=torch.int64)
         self._totals += per_call
         if n_queries > 1:

@@ -79,8 +79,8 @@ def default_blocks_per_row(n_batch: int) -> int:
     return max(4, min(32, triton.next_power_of_2(triton.cdiv(256, max(n_batch, 1)))))
 
 
-def gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count, blocks_per_row=None):
-    """Triton ``gather_reference``: one launch, grid (N, blocks_per_row)."""
+def check_rows(host_rows, device_rows) -> None:
+    """Validates a host/device row pair for a copy (gather_rows, fused resolve copy)."""
     for name, t in (("host_rows", host_rows), ("device_rows", device_rows)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor [rows, width], got "
@@ -100,6 +100,23 @@ def gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count, blocks_p
         raise ValueError(f"host_rows is on {host_rows.device} "
                          f"(pinned={host_rows.device.type == 'cpu' and host_rows.is_pinned()}); "
                          f"it must be on {dev} like device_rows, or in pinned CPU memory")
+
+
+def word_views(host_rows, device_rows):
+    """(src, dst, row_elems): both row tensors as the widest common word, or None
+    when there is nothing to copy (zero-width rows)."""
+    row_bytes = host_rows.shape[1] * host_rows.element_size()
+    if row_bytes == 0:
+        return None
+    word = _WORDS[min(_word_size(host_rows, row_bytes), _word_size(device_rows, row_bytes))]
+    src, dst = _bytes(host_rows).view(word), _bytes(device_rows).view(word)
+    return src, dst, row_bytes // src.element_size()
+
+
+def gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count, blocks_per_row=None):
+    """Triton ``gather_reference``: one launch, grid (N, blocks_per_row)."""
+    check_rows(host_rows, device_rows)
+    dev = device_rows.device
     if not isinstance(miss_src, torch.Tensor) or miss_src.dtype != torch.int64 or miss_src.dim() != 2:
         raise ValueError(f"miss_src must be int64 [N, M], got "
                          f"{getattr(miss_src, 'dtype', type(miss_src).__name__)} "
@@ -126,13 +143,10 @@ def gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count, blocks_p
     if isinstance(blocks_per_row, bool) or not isinstance(blocks_per_row, int) \
             or not 1 <= blocks_per_row <= 65535:
         raise ValueError(f"blocks_per_row must be an int in [1, 65535], got {blocks_per_row!r}")
-    row_bytes = host_rows.shape[1] * host_rows.element_size()
-    if n_batch == 0 or width == 0 or row_bytes == 0:
+    views = word_views(host_rows, device_rows)
+    if n_batch == 0 or width == 0 or views is None:
         return
-
-    word = _WORDS[min(_word_size(host_rows, row_bytes), _word_size(device_rows, row_bytes))]
-    src, dst = _bytes(host_rows).view(word), _bytes(device_rows).view(word)
-    row_elems = row_bytes // src.element_size()
+    src, dst, row_elems = views
     block_c = min(triton.next_power_of_2(row_elems), _MAX_BLOCK_C)
     rows = max(1, _ELEMS_PER_STEP // block_c)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gather import check_rows, gather_rows, word_views
 from .reference import NUM_COUNTERS
 
 _INT32_MAX = 2**31 - 1
@@ -58,6 +59,12 @@ _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
 _BLOCK_B = 1024  # hot slots per chunk in phase 3 when B does not fit one block
 _ONE_BLOCK_B = 4096  # largest B handled as one block (in-place LRU write)
 _NUM_WARPS = 8  # at least; more for a wide miss sort (_num_warps)
+_MANY_BLOCK_W = 1024  # more programs than SMs: smaller chunks, ~110 registers = 2 CTAs/SM
+_MANY_BLOCK_B = 512
+_FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused_copy=None;
+# measured up to 2048, single-query k=2048; wider miss lists keep the gather's grid)
+_COPY_ELEMS = 4096  # words per step of the fused copy (rows x columns in flight per program)
+_SKIP = 0  # profiling only (tune_resolve.py): phases to leave out, see the kernel
 
 
 def _num_warps(sort_max: int) -> int:
@@ -92,9 +99,13 @@ def _resolve_kernel(
     miss_count_ptr,  # [N] int32 out
     counters_ptr,  # [N, 4] int32 out
     scratch_ptr, scratch_stride,  # [N, 2W (+ B)] int32: host pos | miss pos | new order
+    copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
     ONE_B: tl.constexpr, SORT_MAX: tl.constexpr,
+    COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
+    ROW_ELEMS: tl.constexpr, CROWS: tl.constexpr, CBLOCK_C: tl.constexpr,
+    SKIP: tl.constexpr,  # profiling only (wrong results): 1 no rank, 2 no LRU, 4 no loc, 8 no atomics
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
@@ -140,8 +151,16 @@ def _resolve_kernel(
         loc = tl.where(direct, page_base + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
         tl.store(loc_row + j, loc, mask=m)
         tl.store(key_ptr + j, tl.where(host, pos, -1), mask=m)
-        old = tl.atomic_xchg(hot_pos_row + hot_slot, -2 - pos, mask=hot)
-        tl.atomic_min(hso_row + pos, CLAIM + j, mask=host & (pos < max_pos))
+        if SKIP & 8:
+            old = tl.zeros([BLOCK_W], tl.int32)
+        else:
+            # relaxed, CTA scope: only this program touches this slot's rows, and the
+            # barriers order the phases (acq_rel, the default, serialised each
+            # thread's atomics: 9.5 us of phase 1's 17.7 at batch 8)
+            old = tl.atomic_xchg(hot_pos_row + hot_slot, -2 - pos, mask=hot,
+                                 sem="relaxed", scope="cta")
+            tl.atomic_min(hso_row + pos, CLAIM + j, mask=host & (pos < max_pos),
+                          sem="relaxed", scope="cta")
         n_direct += tl.sum(direct.to(tl.int32))
         n_hot += tl.sum(hot.to(tl.int32))
         n_host += tl.sum(host.to(tl.int32))
@@ -152,7 +171,10 @@ def _resolve_kernel(
     #    positions sorted (ascending = host-address order), ranks scattered back
     n_miss = 0
     base = tl.load(host_base_ptr + slot)
-    if n_host > 0:
+    h2 = n_host
+    if SKIP & 1:
+        h2 = 0
+    if h2 > 0:
         for w0 in range(0, W, BLOCK_W):
             j = w0 + offs_w
             kp = tl.load(key_ptr + j, mask=j < W, other=-1)
@@ -192,7 +214,10 @@ def _resolve_kernel(
 
     # 3. victims (i-th untouched in LRU order <- i-th miss) + stable partition
     n_fill = 0
-    if n_touch + n_miss > 0:
+    c3 = n_touch + n_miss
+    if SKIP & 2:
+        c3 = 0
+    if c3 > 0:
         n_untouched = B - n_touch
         n_fill = tl.minimum(n_miss, n_untouched)
         n_left = n_untouched - n_fill  # untouched after the fills: front of new order
@@ -237,7 +262,10 @@ def _resolve_kernel(
                 tl.store(lru_row + b, tl.load(order_ptr + b, mask=mb), mask=mb)
 
     # 4. host selections read their row's destination
-    if n_host > 0:
+    h4 = n_host
+    if SKIP & 4:
+        h4 = 0
+    if h4 > 0:
         for w0 in range(0, W, BLOCK_W):
             j = w0 + offs_w
             kp = tl.load(key_ptr + j, mask=j < W, other=-1)
@@ -255,6 +283,25 @@ def _resolve_kernel(
             ms = r < n_miss
             p = tl.load(mpos_ptr + r, mask=ms, other=0)
             tl.store(hso_row + p, tl.full([BLOCK_W], -1, tl.int32), mask=ms)
+
+    # 6. (COPY) this program copies its own misses, host -> device, zero-copy
+    if COPY:
+        if n_miss > 0:
+            tl.debug_barrier()  # miss_src / miss_dst written by other threads
+            rows = tl.arange(0, CROWS)
+            cols = tl.arange(0, CBLOCK_C)
+            for r0 in range(0, n_miss, CROWS):
+                r = r0 + rows
+                rm = r < n_miss
+                src = tl.load(miss_src_row + r, mask=rm, other=0)
+                dst = tl.load(miss_dst_row + r, mask=rm, other=0).to(tl.int64)
+                src_off = src[:, None] * SRC_STRIDE
+                dst_off = dst[:, None] * DST_STRIDE
+                for c0 in tl.static_range(0, ROW_ELEMS, CBLOCK_C):
+                    c = c0 + cols
+                    m = rm[:, None] & (c < ROW_ELEMS)[None, :]
+                    v = tl.load(copy_src_ptr + src_off + c[None, :], mask=m)
+                    tl.store(copy_dst_ptr + dst_off + c[None, :], v, mask=m)
 
     tl.store(miss_count_ptr + n, n_miss)
     counters_row = counters_ptr + n * 4
@@ -294,9 +341,35 @@ def _check_device(device: torch.device) -> None:
                      f"(or CPU tensors with TRITON_INTERPRET=1); use resolve_reference on CPU")
 
 
+_SM_COUNT = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 2**31
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def fuses_copy(width: int, fused_copy=None) -> bool:
+    """Whether ``resolve(..., host_rows, device_rows)`` copies inside the resolve kernel."""
+    return bool(fused_copy) if fused_copy is not None else width <= _FUSE_MAX_WIDTH
+
+
 def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_order,
-            hot_slot_of, staging_rows, host_base):
+            hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
+            fused_copy=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
+
+    With ``host_rows`` and ``device_rows`` it also copies the misses (what
+    ``gather_rows`` of the returned miss list would do, byte for byte): inside
+    the resolve kernel (each program copies its own misses right after
+    assigning their destinations; no second launch) when ``fused_copy`` is true,
+    or by a ``gather_rows`` launch when false; ``None`` fuses when
+    K*k <= ``_FUSE_MAX_WIDTH`` (small per-request payloads, where the second
+    launch and its latency dominate), else gathers with its wider grid.
 
     Returns ``(locations [N,K,k] i32, miss_src [N,K*k] i64, miss_dst [N,K*k] i32,
     miss_count [N] i32, counters [N,4] i32)``; updates hot_pos, lru_order and
@@ -343,6 +416,18 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
         raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {budget} = "
                          f"{need}, got {staging_rows.shape[1]}")
 
+    copy = host_rows is not None or device_rows is not None
+    views = None
+    if copy:
+        if host_rows is None or device_rows is None:
+            raise ValueError("host_rows and device_rows must be given together")
+        check_rows(host_rows, device_rows)
+        if device_rows.device != dev:
+            raise ValueError(f"device_rows is on {device_rows.device}; it must be on {dev} "
+                             f"(the device of selections)")
+        views = word_views(host_rows, device_rows)
+    fused = copy and views is not None and fuses_copy(width, fused_copy)
+
     locations = torch.empty(selections.shape, dtype=torch.int32, device=dev)
     miss_src = torch.empty(n_batch, width, dtype=torch.int64, device=dev)
     miss_dst = torch.empty(n_batch, width, dtype=torch.int32, device=dev)
@@ -350,13 +435,24 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     counters = torch.empty(n_batch, NUM_COUNTERS, dtype=torch.int32, device=dev)
     if n_batch == 0:
         return locations, miss_src, miss_dst, miss_count, counters
-    block_w = min(_BLOCK_W, triton.next_power_of_2(max(width, 1)))
+    # one wave (N <= SMs): whole-B block, fewest dependent steps; more programs than
+    # SMs: small chunks so that two CTAs fit an SM (one-block B takes ~240 registers)
+    one_wave = n_batch <= _sm_count(dev)
+    block_w = min(_BLOCK_W if one_wave else _MANY_BLOCK_W, triton.next_power_of_2(max(width, 1)))
     b_pad = triton.next_power_of_2(max(budget, 1))
-    one_b = b_pad <= _ONE_BLOCK_B
-    block_b = b_pad if one_b else min(_BLOCK_B, b_pad)
+    one_b = one_wave and b_pad <= _ONE_BLOCK_B
+    block_b = b_pad if one_b else min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
     sort_max = max(16, triton.next_power_of_2(max(width, 1)))
     scratch = torch.empty(n_batch, width + sort_max + (0 if one_b else budget), dtype=torch.int32,
                           device=dev)
+    if fused:
+        copy_src, copy_dst, row_elems = views
+        cblock_c = min(triton.next_power_of_2(row_elems), 512)
+        crows = max(1, _COPY_ELEMS // cblock_c)
+        src_stride, dst_stride = copy_src.stride(0), copy_dst.stride(0)
+    else:
+        copy_src, copy_dst, row_elems, cblock_c, crows = miss_src, miss_src, 1, 1, 1
+        src_stride = dst_stride = 1
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
@@ -370,13 +466,19 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             host_base,
             locations, miss_src, miss_dst, miss_count, counters,
             scratch, max(scratch.stride(0), 1),
+            copy_src, copy_dst,
             width, budget,
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
             BLOCK_B=block_b,
             ONE_B=one_b,
             SORT_MAX=sort_max,
+            COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
+            ROW_ELEMS=row_elems, CROWS=crows, CBLOCK_C=cblock_c,
+            SKIP=_SKIP,
             num_warps=_num_warps(sort_max),
             num_stages=1,
         )
+    if copy and not fused:
+        gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count)
     return locations, miss_src, miss_dst, miss_count, counters
