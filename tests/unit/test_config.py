@@ -40,3 +40,13 @@ def test_int_accepted_for_float_and_describe_lists_all():
     text = describe()
     for key in DHiSparseConfig.__dataclass_fields__:
         assert key in text
+
+
+def test_device_window_knobs():
+    cfg = DHiSparseConfig.from_extra_config({})
+    assert cfg.device_window_tokens == 512 and cfg.device_pool_pages == 0
+    assert DHiSparseConfig.from_extra_config({"device_window_tokens": 0}).device_window_tokens == 0
+    with pytest.raises(ValueError, match="device_window_tokens.*>= 256"):
+        DHiSparseConfig.from_extra_config({"device_window_tokens": 100})
+    with pytest.raises(ValueError, match="device_pool_pages"):
+        DHiSparseConfig.from_extra_config({"device_pool_pages": -1})

@@ -126,7 +126,15 @@ class KVHierarchy:
         for name, plan in plans.items():  # eq. 4 victims, backed up before their pages go
             rm = self.sources[name].residency
             for victim in plan.victims:
-                rm.reclaim(victim)
+                try:
+                    rm.reclaim(victim)
+                except HostBackupError as e:
+                    # The victim's deferred backup failed: it alone fails (take_failures);
+                    # releasing it frees its pages, so plan again.
+                    self._failures[victim] = str(e)
+                    self._release(victim)
+                    self.counters["preempted"] += 1
+                    return self.admit(req_id, max_rows, imported)
             rm.counters.reclaim_events += bool(plan.victims)
         try:
             for name, parts in self.sources.items():

@@ -28,6 +28,12 @@ def build_llm(args, stats_file: str | None):
     kw = dict(model=args.model, enforce_eager=True, block_size=256,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.kv_fraction, seed=0)
+    if args.kv_cache_bytes:
+        # vLLM's KV pool in bytes (all groups share one pool of equal-size blocks)
+        kw.update(kv_cache_memory_bytes=args.kv_cache_bytes)
+    if args.num_gpu_blocks:
+        kw.update(num_gpu_blocks_override=args.num_gpu_blocks)
+        kw.setdefault("kv_cache_memory_bytes", 2**30)
     if args.connector is not None:
         extra = json.loads(args.connector)
         if stats_file:
@@ -38,6 +44,53 @@ def build_llm(args, stats_file: str | None):
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     return LLM(**kw)
+
+
+def running_requests(llm) -> int | None:
+    """vLLM's running-request count (the scheduler's ``running`` queue, the number behind
+    ``vllm:num_requests_running``); needs the in-process engine core
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    return None if sched is None else len(sched.running)
+
+
+def decode_blocks(llm) -> list[int] | None:
+    """Per KV cache group: the most blocks (not freed) any *decoding* request holds now
+    (a request counts once it decoded one token: vLLM frees at the next allocation)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    if sched is None:
+        return None
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    out = [0] * len(managers)
+    for req in sched.running:
+        if req.num_computed_tokens <= req.num_prompt_tokens:  # blocks are freed from the
+            continue  # first decode step's allocation on
+        for g, m in enumerate(managers):
+            held = sum(not b.is_null for b in m.req_to_blocks.get(req.request_id, ()))
+            out[g] = max(out[g], held)
+    return out
+
+
+def generate_stepwise(llm, prompts, params):
+    """``LLM.generate`` by hand, so the running-request count is sampled every step."""
+    engine = llm.llm_engine
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, params):
+        engine.add_request(rid, p, sp)
+    done, running = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        n = running_requests(llm)
+        if n is not None:
+            running.append(n)
+            held = decode_blocks(llm)
+            generate_stepwise.max_decode_blocks = [
+                max(x, y) for x, y in zip(held, getattr(generate_stepwise, "max_decode_blocks", held))]
+    return [done[r] for r in ids], running
 
 
 def main(argv=None) -> int:
@@ -56,6 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-fraction", type=float, default=0.2,
                     help="gpu_memory_utilization (on CPU: share of RAM for KV)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-bytes", type=int, default=0,
+                    help="vLLM KV pool size in bytes (kv_cache_memory_bytes); 0 = from --kv-fraction")
+    ap.add_argument("--num-gpu-blocks", type=int, default=0,
+                    help="vLLM KV pool size in blocks (num_gpu_blocks_override); 0 = from --kv-fraction")
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
@@ -74,14 +131,16 @@ def main(argv=None) -> int:
     max_tokens = args.max_tokens * len(prompts) if len(args.max_tokens) == 1 else args.max_tokens
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0) for m in max_tokens]
     t0 = time.time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs, running = generate_stepwise(llm, prompts, params)
     gen_s = time.time() - t0
-    result = dict(load_s=load_s, generate_s=gen_s, outputs=[])
+    result = dict(load_s=load_s, generate_s=gen_s, outputs=[], running=running,
+                  max_running=max(running, default=0),
+                  max_decode_blocks_per_group=getattr(generate_stepwise, "max_decode_blocks", None))
     for o in outs:
         c = o.outputs[0]
         result["outputs"].append(dict(
-            token_ids=list(c.token_ids), text=c.text,
-            logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+            token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason,
+            logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]))
     if stats_file and os.path.exists(stats_file):
         with open(stats_file) as f:
             result["stats"] = json.load(f)

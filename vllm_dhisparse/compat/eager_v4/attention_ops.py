@@ -32,7 +32,7 @@ from ._common import (
 )
 
 # Query tokens per attention chunk (bounds the [T, H, distinct rows] scores).
-_ATTN_CHUNK_TOKENS = 128
+_ATTN_CHUNK_TOKENS = 32
 
 
 def _distinct_rows(cache_2d, slots, block_size):
@@ -75,12 +75,12 @@ def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_blo
     ``out = sum_n e^{s_n} v_n / (sum_n e^{s_n} + e^{sink_h})``. A token with no
     valid row gets 0. Writes ``out`` (bf16) in place.
 
-    Per chunk of tokens, over the chunk's distinct rows ``K_u`` (window rows,
-    then compressed rows, each in first-appearance order): ``S = q K_u^T``,
-    gathered per listed entry and softmaxed; the weights are summed back
-    onto the distinct rows (``P_u``) and ``out = P_u K_u``. Results depend on
-    row values and list order only: the same lists over rows moved to other
-    slots give bit-identical output.
+    Per chunk of tokens the chunk's distinct rows are dequantized once; then
+    per token, over its listed rows ``K_t`` (window entries, then compressed
+    entries): ``S = q K_t^T``, softmax with the sink, ``out = P K_t``. Results
+    depend on the token's own row values and list order only: the same lists
+    over rows moved to other slots, or batched with other tokens, give
+    bit-identical output.
     """
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
@@ -100,14 +100,17 @@ def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_blo
         if k.shape[0] == 0:
             out[t0:t1] = 0
             continue
-        s_u = torch.matmul(q[t0:t1].float(), k.t()) * float(scale)  # [T, H, U]
-        idx = inv.unsqueeze(1).expand(t, num_heads, inv.shape[1])
-        s = torch.gather(s_u, 2, idx).masked_fill(~valid.unsqueeze(1), float("-inf"))
+        # Per token, over its own listed rows only (batched matmuls of fixed per-token
+        # shape): a token's result never depends on which other tokens share the call,
+        # as with the real per-query kernel.  (Contracting over the chunk's distinct
+        # rows instead made results vary with the other tokens' selections.)
+        k_t = k[inv.masked_fill(~valid, 0)]  # [T, N, 512] listed rows (invalid: masked below)
+        s = torch.bmm(q[t0:t1].float(), k_t.transpose(1, 2)) * float(scale)  # [T, H, N]
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m = torch.maximum(s.amax(dim=-1), sink)  # [T, H]
         p = torch.exp(s - m.unsqueeze(-1))
         denom = p.sum(dim=-1) + torch.exp(sink - m)
-        p_u = torch.zeros_like(s_u).scatter_add_(2, idx, p)
-        o = torch.matmul(p_u, k) / denom.unsqueeze(-1)
+        o = torch.bmm(p, k_t.masked_fill(~valid.unsqueeze(-1), 0.0)) / denom.unsqueeze(-1)
         o[~any_valid] = 0.0
         out[t0:t1] = o.to(out.dtype)
 

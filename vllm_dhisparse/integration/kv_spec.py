@@ -1,0 +1,125 @@
+"""Bounded device residency of the c4a compressed caches inside vLLM's KV pool.
+
+vLLM sizes and admits requests from per-layer ``KVCacheSpec`` objects; its
+``KVCacheSpecRegistry`` (``vllm/v1/kv_cache_spec_registry.py``) is the
+out-of-tree plug point for new spec types and their block managers.  We give
+the compressed caches of the sparse (c4a) layers a spec of their own,
+:class:`DHiSparseCompressedSpec`, managed by :class:`DHiSparseWindowManager`:
+
+* the spec is an ``MLAAttentionSpec`` (same page layout, same metadata
+  builders, every ``isinstance`` check in the DeepSeek-V4 code still holds)
+  registered with *its own* uniform-type base, so vLLM's packer puts the c4a
+  layers into a KV cache group of their own, with their own block table;
+  the indexer's K cache and the dense c128a cache stay in the default group
+  and keep every block (the indexer must score the whole history);
+* the manager frees, like a sliding window, every block that lies wholly
+  before ``num_processed_tokens - device_window_tokens``
+  (``get_num_skipped_tokens``; vLLM's ``remove_skipped_blocks`` calls it from
+  ``allocate_slots`` and when a request finishes), so a decoding request keeps
+  only a bounded tail of c4a blocks and the scheduler admits more requests.
+
+The worker (``worker_side.py``) copies every committed row into the
+hierarchy at the end of the forward that wrote it (``wait_for_save``), before
+the scheduler can hand those blocks to another request: the scheduler only
+frees on the *processed*-token basis, i.e. after the step's output came back,
+and the worker runs steps in order.
+
+The packer needs the c4a specs to differ from the indexer's in a field it
+buckets on (``UniformTypeKVCacheSpecs.is_uniform_type`` asks only the first
+spec of a candidate bucket): we set ``dcp_sharded=False``.  That field only
+matters with decode context parallelism, which the connector does not support.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Self
+
+from vllm.logger import init_logger
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+logger = init_logger(__name__)
+
+_installed = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DHiSparseCompressedSpec(MLAAttentionSpec):
+    """The c4a compressed cache of one sparse layer, windowed on device."""
+    device_window_tokens: int = 0  # raw tokens kept behind the newest processed one; 0 = all
+
+    @classmethod
+    def merge(cls, specs: list[Self]) -> Self:
+        windows = {s.device_window_tokens for s in specs}
+        assert len(windows) == 1, f"c4a layers disagree on device_window_tokens: {windows}"
+        merged = MLAAttentionSpec.merge.__func__(cls, specs)
+        return replace(merged, device_window_tokens=windows.pop(), dcp_sharded=False)
+
+
+def _window_of(spec) -> int:
+    w = getattr(spec, "device_window_tokens", None)
+    if w is None:  # a UniformTypeKVCacheSpecs wrapper
+        specs = getattr(spec, "kv_cache_specs", {}) or {}
+        w = max((getattr(s, "device_window_tokens", 0) for s in specs.values()), default=0)
+    return int(w or 0)
+
+
+class DHiSparseWindowManager(FullAttentionManager):
+    """Full-attention manager that frees blocks behind a trailing window."""
+
+    def __init__(self, kv_cache_spec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.device_window_tokens = _window_of(kv_cache_spec)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        w = self.device_window_tokens
+        return max(0, num_computed_tokens - w) if w > 0 else 0
+
+
+def register_spec() -> None:
+    """Registers the spec + manager (built-ins first: the registry fills itself
+    only while empty).  Idempotent; runs in every process through the plugin."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(DHiSparseCompressedSpec, DHiSparseWindowManager,
+                                 uniform_type_base_spec=DHiSparseCompressedSpec)
+
+
+def _window_from_config(vllm_config) -> int:
+    """device_window_tokens when DHiSparseConnector is configured, else 0."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_connector", None) != "DHiSparseConnector":
+        return 0
+    from vllm_dhisparse.config import DHiSparseConfig
+    cfg = DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
+    return cfg.device_window_tokens
+
+
+def install() -> bool:
+    """Wraps the DeepSeek-V4 attention layer's ``get_kv_cache_spec``: with the
+    connector configured and a window set, c4a layers return the windowed spec."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from vllm.models.deepseek_v4.attention import DeepseekV4Attention
+    except ImportError:
+        return False
+    register_spec()
+    original = DeepseekV4Attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if spec is None or getattr(self, "compress_ratio", None) != 4 \
+                or type(spec) is not MLAAttentionSpec:
+            return spec
+        window = _window_from_config(vllm_config)
+        if window <= 0:
+            return spec
+        fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        fields.update(device_window_tokens=window, dcp_sharded=False)
+        return DHiSparseCompressedSpec(**fields)
+
+    DeepseekV4Attention.get_kv_cache_spec = get_kv_cache_spec
+    _installed = True
+    return True
