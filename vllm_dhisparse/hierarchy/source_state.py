@@ -117,7 +117,3 @@ class SourceState:
 
     def seq_len(self, req_id: str) -> int:
         return int(self.seq_lens[self.slot(req_id)])
-
-    def ready_pages(self, req_id: str) -> torch.Tensor:
-        """Pages of ``req_id`` published in the direct map.  # [P] int64"""
-        return (self.page_table[self.slot(req_id)] >= 0).nonzero().flatten()

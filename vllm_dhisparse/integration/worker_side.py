@@ -369,8 +369,6 @@ class WorkerSide:
         """Deltas since the previous call, for vLLM's metrics path (stats.py)."""
         return self.stats_collector.collect(self)
 
-    def finished_ids(self) -> set[str]:
-        return set(self.failed)
 
 
 def _corrupt_one(locs: torch.Tensor) -> None:
