@@ -312,17 +312,22 @@ def test_misses_in_ascending_position_order():
     assert (miss_src[0, :5] - base).tolist() == [2, 5, 17, 30, 39]
 
 
-@pytest.mark.parametrize("n_distinct", [200, 300])
-def test_miss_sort_buckets(n_distinct):
-    """The distinct-miss sort takes 256 keys when the count allows, else next_pow2(K*k)
-    (the 2048-key middle bucket needs K*k > 2048: covered on CUDA by
+@pytest.mark.parametrize("n_distinct,queries,sort_mid", [(200, 2, 0), (300, 2, 0),
+                                                       (300, 4, 512), (600, 4, 512)])
+def test_miss_sort_buckets(n_distinct, queries, sort_mid, monkeypatch):
+    """The distinct-miss sort takes 256 keys when the count allows, then the middle size
+    (``_SORT_MID``) when it is between 256 and next_pow2(K*k) and holds them, else
+    next_pow2(K*k) (the 2048-key bucket needs K*k > 2048: covered on CUDA by
     benchmarks/gpu_correctness.py's K=8, k=2048 configurations)."""
-    w = World(budget=64, width=512, positions=1000, batch=1, slots=1, page_size=64)
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    monkeypatch.setattr(resolve_module, "_SORT_MID", sort_mid)
+    width = queries * 256
+    w = World(budget=64, width=width, positions=1000, batch=1, slots=1, page_size=64)
     g = torch.Generator().manual_seed(n_distinct)
     rows = torch.randperm(1000, generator=g)[:n_distinct]
-    sel = rows[torch.randint(0, n_distinct, (512,), generator=g)]
+    sel = rows[torch.randint(0, n_distinct, (width,), generator=g)]
     sel[:n_distinct] = rows  # every row at least once
-    sel = sel[torch.randperm(512, generator=g)].view(1, 2, 256).int().to(DEVICE)
+    sel = sel[torch.randperm(width, generator=g)].view(1, queries, 256).int().to(DEVICE)
     w.call(sel, [0], check_bytes=False)
 
 
@@ -437,3 +442,33 @@ def test_mismatched_devices_cuda():
     args["lru_order"] = args["lru_order"].cpu()
     with pytest.raises(ValueError, match="lru_order"):
         resolve(**args)
+
+
+def test_many_programs_warm_slots(monkeypatch):
+    """More programs than SMs, hot rows warmed first: chunked LRU pass with hits."""
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
+    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
+    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w.warm(1, [5, 6, 7])
+    for step in range(3):
+        w.call(w.selections([1, 0], 3, 4, dup=0.3), [1, 0], context=f"step {step}", copy=True)
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_distinct_misses_get_locations_from_their_owner(many, monkeypatch):
+    """No missing row selected twice: phase 4 is skipped, each owner gets its hot row
+    (fills) or staging row (overflow: 20 distinct misses, 6 free slots) directly."""
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    if many:
+        monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
+    w = World(budget=8, width=24, positions=200, slots=2, batch=2, page_size=8)
+    w.warm(0, [3, 4])
+    w.make_direct(1, [0])
+    g = torch.Generator().manual_seed(3)
+    sel = torch.stack([torch.cat([torch.tensor([3, 4]), 10 + torch.randperm(150, generator=g)[:22]]),
+                       torch.cat([torch.arange(4), 20 + torch.randperm(150, generator=g)[:20]])])
+    sel = sel[:, torch.randperm(24, generator=g)].view(2, 2, 12).int().to(DEVICE)
+    w.call(sel, [0, 1], copy=True)
+    w.call(sel.flip(0), [1, 0], copy=False)

@@ -10,28 +10,32 @@ after phase 1 run only when their counts are non-zero:
 
   1. per selection (chunks of BLOCK_W): direct page? -> loc;  else
      ``hot_slot_of`` hit -> loc = hot_rows[slot], and the slot is marked
-     touched in place by ``atomic_xchg(hot_pos[slot], -2 - pos)`` (the old
-     value tells whether this is the slot's first hit, so the number of distinct
-     touched slots is known without a pass over B and without zeroed scratch);
-     else host: ``atomic_min(hot_slot_of[pos], CLAIM + j)`` (entries of
-     missing rows are -1, claims are < -1; the smallest j wins).
-     All direct -> done (no LRU change, no miss).
+     touched in place with hot_pos[slot] = -2 - pos: a plain store when the
+     whole hot cache is one block (phase 3 then counts the marks; duplicates
+     store the same value), else ``atomic_xchg`` (its old value counts the
+     distinct touched slots without a pass over B);  else host:
+     ``atomic_min(hot_slot_of[pos], CLAIM + j)`` (entries of missing rows are
+     -1, claims are < -1; the smallest j wins).  The four counts share one
+     reduction.  All direct -> done (no LRU change, no miss).
   2. (misses) per host selection j: owner = the claim left is j's own; the
      owners' positions (the distinct misses) are compacted into mpos by a
      running cumsum, sorted ascending (the spec's host-address order) with a
-     sort of 256, 2048 or next_pow2(K*k) keys, whichever is the smallest that
-     holds them (no index payload: positions are distinct), and each rank r
-     writes miss_src[r] and replaces the claim by the rank code -2 - r.
+     sort of 256, 1024, 2048 or next_pow2(K*k) keys, whichever is the smallest
+     that holds them, and each rank r records its owner j (read back from the
+     claim), writes miss_src[r] and replaces the claim by the rank code -2 - r.
   3. (hits or misses) one pass over lru_order: touched = hot_pos < -1;
      a running cumsum of untouched slots gives the i-th untouched slot (victim
-     of rank i < n_fill) and the stable-partition position of every slot, the
-     number of untouched slots being B - touched (phase 1).  Hits get their
-     hot_pos back, fills unlink their old row, take the new one
-     (hot_pos / hot_slot_of) and write miss_dst[r] = hot_rows[victim];
-     overflow ranks take staging rows.  When B fits one block the new order is
-     written in place after a barrier, else through scratch and copied back.
-  4. (misses) host selections read hot_slot_of[pos]: >= 0 is the filled slot,
-     else the rank code of a staged row;  5. staged rows leave hot_slot_of.
+     of rank i < n_fill) and the stable-partition position of every slot.
+     Hits get their hot_pos back, fills unlink their old row, take the new one
+     (hot_pos / hot_slot_of), write miss_dst[r] = hot_rows[victim] and the
+     owner's location; overflow ranks take staging rows.  When B fits one
+     block the new order is written in place after a barrier, else through
+     scratch and copied back.
+  4. only when a missing row was selected more than once (host selections >
+     distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
+     the filled slot, else the rank code of a staged row;
+  5. staged rows leave hot_slot_of;  6. (fused copy) the program copies its own
+     misses from pinned host memory, the words of consecutive rows side by side.
 
 Requests in a batch must have distinct slots (the programs update per-slot state
 without synchronisation).  Selections are padding when negative and must
@@ -58,12 +62,17 @@ _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
 _BLOCK_B = 1024  # hot slots per chunk in phase 3 when B does not fit one block
 _ONE_BLOCK_B = 4096  # largest B handled as one block (in-place LRU write)
-_NUM_WARPS = 8  # at least; more for a wide miss sort (_num_warps)
-_MANY_BLOCK_W = 1024  # more programs than SMs: smaller chunks, ~110 registers = 2 CTAs/SM
+_NUM_WARPS = 16  # at least; more for a wide miss sort (_num_warps).  16 beat 8 in 7 of
+# the 9 SGLang cells (benchmarks/NOTES.md, v3): more loads in flight per request
+# more programs than SMs (a second wave otherwise): chunks small enough for two CTAs
+# per SM (64 registers at 16 warps)
+_MANY_BLOCK_W = 1024
 _MANY_BLOCK_B = 512
 _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused_copy=None;
 # measured up to 2048, single-query k=2048; wider miss lists keep the gather's grid)
-_COPY_ELEMS = 4096  # words per step of the fused copy (rows x columns in flight per program)
+_COPY_ELEMS = 4096  # words in flight per step of the fused copy
+_SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
+_MARK_STORE = True  # in-place LRU modes: hits mark their slot with a store (no atomic)
 _SKIP = 0  # profiling only (tune_resolve.py): phases to leave out, see the kernel
 
 
@@ -83,6 +92,30 @@ def _sort_prefix(ptr, count, SIZE: tl.constexpr):
 
 
 @triton.jit
+def _lru_block(slot_b, hp, b, mb, run, n_fill, n_left, mpos_ptr, mj_ptr, hot_pos_row,
+               hot_rows_row, hso_row, miss_dst_row, loc_row, max_pos):
+    """Phase 3 on one block of LRU positions ``b`` (slots ``slot_b``, their hot_pos
+    ``hp``): the i-th untouched slot is the victim of miss rank i < n_fill, hits get
+    their hot_pos back.  Returns every slot's place in the new order and the number
+    of untouched slots in the block (``run`` counts those before it)."""
+    t = hp < -1  # hit this call
+    u = (mb & ~t).to(tl.int32)
+    r = run + tl.cumsum(u, 0) - u  # untouched strictly before b
+    fill = mb & ~t & (r < n_fill)
+    left = mb & ~t & (r >= n_fill)
+    new_at = tl.where(left, r - n_fill, n_left + b - tl.maximum(r - n_fill, 0))
+    new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
+    owner = tl.load(mj_ptr + r, mask=fill, other=0)
+    victim_row = tl.load(hot_rows_row + slot_b, mask=fill, other=-1)
+    tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=fill & (hp >= 0) & (hp < max_pos))
+    tl.store(hot_pos_row + slot_b, tl.where(fill, new_pos, -2 - hp), mask=fill | (mb & t))
+    tl.store(hso_row + new_pos, slot_b, mask=fill)
+    tl.store(miss_dst_row + r, victim_row, mask=fill)
+    tl.store(loc_row + owner, victim_row, mask=fill)  # the selection that owns rank r
+    return new_at, tl.sum(u, 0)
+
+
+@triton.jit
 def _resolve_kernel(
     sel_ptr, sel_stride,  # [N, W] int32 (selections viewed as [N, K*k])
     slot_ids_ptr,  # [N] int32
@@ -98,13 +131,15 @@ def _resolve_kernel(
     miss_dst_ptr,  # [N, W] int32 out
     miss_count_ptr,  # [N] int32 out
     counters_ptr,  # [N, 4] int32 out
-    scratch_ptr, scratch_stride,  # [N, 2W (+ B)] int32: host pos | miss pos | new order
+    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX (+ B)]: host pos | miss pos | owner | order
     copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
-    ONE_B: tl.constexpr, SORT_MAX: tl.constexpr,
+    LRU_MODE: tl.constexpr,  # 1: B in one block, in place; 0: chunks through scratch
+    SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
+    MARK_STORE: tl.constexpr,  # LRU_MODE 1 only: hits mark with a store, phase 3 counts
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
-    ROW_ELEMS: tl.constexpr, CROWS: tl.constexpr, CBLOCK_C: tl.constexpr,
+    ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
     SKIP: tl.constexpr,  # profiling only (wrong results): 1 no rank, 2 no LRU, 4 no loc, 8 no atomics
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
@@ -112,7 +147,8 @@ def _resolve_kernel(
     slot = tl.load(slot_ids_ptr + n).to(tl.int64)
     key_ptr = scratch_ptr + n * scratch_stride  # [W] host pos of selection j, else -1
     mpos_ptr = key_ptr + W  # [SORT_MAX] position of miss rank r
-    order_ptr = mpos_ptr + SORT_MAX  # [B] new lru order (only when not ONE_B)
+    mj_ptr = mpos_ptr + SORT_MAX  # [W] the selection j that owns miss rank r
+    order_ptr = mj_ptr + W  # [B] new lru order (LRU_MODE 0 only)
     sel_row = sel_ptr + n * sel_stride
     loc_row = loc_ptr + n * W
     miss_src_row = miss_src_ptr + n * W
@@ -126,14 +162,14 @@ def _resolve_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
 
-    if ONE_B:  # the whole lru_order row, loaded while phase 1 waits on its own loads
+    if LRU_MODE == 1:  # the whole lru_order row, loaded while phase 1 waits on its own loads
         lru_all = tl.load(lru_row + offs_b, mask=offs_b < B, other=0)
 
     # 1. direct -> hot -> host classification; hits mark their slot, misses claim their row
     n_direct = 0
     n_hot = 0
     n_host = 0
-    n_touch = 0  # distinct hot slots hit
+    n_touch = 0  # distinct hot slots hit (atomic marking only)
     for w0 in range(0, W, BLOCK_W):
         j = w0 + offs_w
         m = j < W
@@ -157,14 +193,25 @@ def _resolve_kernel(
             # relaxed, CTA scope: only this program touches this slot's rows, and the
             # barriers order the phases (acq_rel, the default, serialised each
             # thread's atomics: 9.5 us of phase 1's 17.7 at batch 8)
-            old = tl.atomic_xchg(hot_pos_row + hot_slot, -2 - pos, mask=hot,
-                                 sem="relaxed", scope="cta")
+            if MARK_STORE:
+                # duplicates of a position write the same value, so a store is race-free;
+                # phase 3 sees every slot at once and counts the marks itself
+                tl.store(hot_pos_row + hot_slot, -2 - pos, mask=hot)
+                old = tl.full([BLOCK_W], -1, tl.int32)
+            else:
+                old = tl.atomic_xchg(hot_pos_row + hot_slot, -2 - pos, mask=hot,
+                                     sem="relaxed", scope="cta")
             tl.atomic_min(hso_row + pos, CLAIM + j, mask=host & (pos < max_pos),
                           sem="relaxed", scope="cta")
-        n_direct += tl.sum(direct.to(tl.int32))
-        n_hot += tl.sum(hot.to(tl.int32))
-        n_host += tl.sum(host.to(tl.int32))
-        n_touch += tl.sum((hot & (old >= 0)).to(tl.int32))
+        # four counts in one reduction (one CTA barrier, not four): 16-bit fields,
+        # a chunk holds at most BLOCK_W <= 2**15 selections
+        packed = (direct.to(tl.int64) + (hot.to(tl.int64) << 16) + (host.to(tl.int64) << 32)
+                  + ((hot & (old >= 0)).to(tl.int64) << 48))
+        total = tl.sum(packed)
+        n_direct += (total & 0xFFFF).to(tl.int32)
+        n_hot += ((total >> 16) & 0xFFFF).to(tl.int32)
+        n_host += ((total >> 32) & 0xFFFF).to(tl.int32)
+        n_touch += ((total >> 48) & 0xFFFF).to(tl.int32)
     tl.debug_barrier()
 
     # 2. distinct misses: owners (smallest j) are compacted, the few distinct
@@ -185,24 +232,34 @@ def _resolve_kernel(
             tl.store(mpos_ptr + n_miss + tl.cumsum(o, 0) - o, kp, mask=own)
             n_miss += tl.sum(o)
         tl.debug_barrier()
+        # the smallest of 256 / SORT_MID / 2048 / SORT_MAX keys that holds the misses
+        # (a bitonic sort's cost grows with its size, not with the count sorted)
         if SORT_MAX <= 256:
             _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
-        else:
-            if n_miss <= 256:
-                _sort_prefix(mpos_ptr, n_miss, 256)
+        elif n_miss <= 256:
+            _sort_prefix(mpos_ptr, n_miss, 256)
+        elif SORT_MID > 256 and SORT_MID < SORT_MAX and SORT_MID != 2048:
+            if n_miss <= SORT_MID:
+                _sort_prefix(mpos_ptr, n_miss, SORT_MID)
+            elif SORT_MAX <= 2048:
+                _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+            elif n_miss <= 2048:
+                _sort_prefix(mpos_ptr, n_miss, 2048)
             else:
-                if SORT_MAX <= 2048:
-                    _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
-                else:
-                    if n_miss <= 2048:
-                        _sort_prefix(mpos_ptr, n_miss, 2048)
-                    else:
-                        _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+                _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+        elif SORT_MAX <= 2048:
+            _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+        elif n_miss <= 2048:
+            _sort_prefix(mpos_ptr, n_miss, 2048)
+        else:
+            _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
         tl.debug_barrier()
         for r0 in range(0, n_miss, BLOCK_W):
             r = r0 + offs_w
             mr = r < n_miss
             p = tl.load(mpos_ptr + r, mask=mr, other=0)
+            claim = tl.load(hso_row + p, mask=mr, other=0)  # still the owner's claim
+            tl.store(mj_ptr + r, claim - CLAIM, mask=mr)
             tl.store(hso_row + p, -2 - r, mask=mr)
             tl.store(miss_src_row + r, base + p.to(tl.int64), mask=mr)
     for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
@@ -212,57 +269,57 @@ def _resolve_kernel(
         tl.store(miss_dst_row + r, tl.full([BLOCK_W], -1, tl.int32), mask=mt)
     tl.debug_barrier()
 
-    # 3. victims (i-th untouched in LRU order <- i-th miss) + stable partition
+    # 3. victims (i-th untouched in LRU order <- i-th miss) + stable partition; each
+    #    filled rank's owner gets its location here, duplicates in phase 4
     n_fill = 0
-    c3 = n_touch + n_miss
+    c3 = n_hot + n_miss  # n_hot > 0 iff a slot was touched
     if SKIP & 2:
         c3 = 0
     if c3 > 0:
-        n_untouched = B - n_touch
-        n_fill = tl.minimum(n_miss, n_untouched)
-        n_left = n_untouched - n_fill  # untouched after the fills: front of new order
-        run = 0
-        for b0 in range(0, B, BLOCK_B):
-            b = b0 + offs_b
-            mb = b < B
-            if ONE_B:
-                slot_b = lru_all
-            else:
+        if LRU_MODE == 1:
+            mb = offs_b < B
+            hp = tl.load(hot_pos_row + lru_all, mask=mb, other=-1)
+            n_untouched = B - n_touch
+            if MARK_STORE:  # every slot is in this block: count the marks here
+                n_untouched = B - tl.sum((mb & (hp < -1)).to(tl.int32))
+            n_fill = tl.minimum(n_miss, n_untouched)
+            new_at, _ = _lru_block(lru_all, hp, offs_b, mb, 0, n_fill, n_untouched - n_fill,
+                                   mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, hso_row,
+                                   miss_dst_row, loc_row, max_pos)
+            tl.debug_barrier()  # every lru entry read before any is overwritten
+            tl.store(lru_row + new_at, lru_all, mask=mb)
+        else:
+            n_untouched = B - n_touch
+            n_fill = tl.minimum(n_miss, n_untouched)
+            n_left = n_untouched - n_fill  # untouched after the fills: front of new order
+            run = 0
+            for b0 in range(0, B, BLOCK_B):
+                b = b0 + offs_b
+                mb = b < B
                 slot_b = tl.load(lru_row + b, mask=mb, other=0)
-            hp = tl.load(hot_pos_row + slot_b, mask=mb, other=-1)
-            t = hp < -1  # hit this call
-            u = (mb & ~t).to(tl.int32)
-            r = run + tl.cumsum(u, 0) - u  # untouched strictly before b
-            fill = mb & ~t & (r < n_fill)
-            left = mb & ~t & (r >= n_fill)
-            left_before = tl.maximum(r - n_fill, 0)
-            new_at = tl.where(left, r - n_fill, n_left + b - left_before)
-            new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
-            victim_row = tl.load(hot_rows_row + slot_b, mask=fill, other=-1)
-            tl.store(hso_row + hp, tl.full([BLOCK_B], -1, tl.int32),
-                     mask=fill & (hp >= 0) & (hp < max_pos))
-            tl.store(hot_pos_row + slot_b, tl.where(fill, new_pos, -2 - hp), mask=fill | (mb & t))
-            tl.store(hso_row + new_pos, slot_b, mask=fill)
-            tl.store(miss_dst_row + r, victim_row, mask=fill)
-            if ONE_B:
-                tl.debug_barrier()  # every lru entry read before any is overwritten
-                tl.store(lru_row + new_at, slot_b, mask=mb)
-            else:
+                hp = tl.load(hot_pos_row + slot_b, mask=mb, other=-1)
+                new_at, cnt = _lru_block(slot_b, hp, b, mb, run, n_fill, n_left,
+                                         mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, hso_row,
+                                         miss_dst_row, loc_row, max_pos)
                 tl.store(order_ptr + new_at, slot_b, mask=mb)
-            run += tl.sum(u)
-        for r0 in range(n_fill, n_miss, BLOCK_W):  # overflow misses go to staging rows
-            r = r0 + offs_w
-            ms = r < n_miss
-            tl.store(miss_dst_row + r, tl.load(staging_row + (r - n_fill), mask=ms), mask=ms)
-        tl.debug_barrier()
-        if not ONE_B:
+                run += cnt
+            tl.debug_barrier()
             for b0 in range(0, B, BLOCK_B):
                 b = b0 + offs_b
                 mb = b < B
                 tl.store(lru_row + b, tl.load(order_ptr + b, mask=mb), mask=mb)
+        for r0 in range(n_fill, n_miss, BLOCK_W):  # overflow misses go to staging rows
+            r = r0 + offs_w
+            ms = r < n_miss
+            stage = tl.load(staging_row + (r - n_fill), mask=ms)
+            owner = tl.load(mj_ptr + r, mask=ms, other=0)
+            tl.store(miss_dst_row + r, stage, mask=ms)
+            tl.store(loc_row + owner, stage, mask=ms)
+        tl.debug_barrier()
 
-    # 4. host selections read their row's destination
-    h4 = n_host
+    # 4. only when a missing row was selected more than once (or a position was out
+    #    of range): every host selection reads its row's destination
+    h4 = n_host - n_miss
     if SKIP & 4:
         h4 = 0
     if h4 > 0:
@@ -277,31 +334,29 @@ def _resolve_kernel(
             stage_row = tl.load(staging_row + (-2 - code - n_fill), mask=staged, other=-1)
             tl.store(loc_row + j, tl.where(filled, hot_row, stage_row), mask=host)
         tl.debug_barrier()
-        # 5. staged rows do not enter the hot cache
-        for r0 in range(n_fill, n_miss, BLOCK_W):
-            r = r0 + offs_w
-            ms = r < n_miss
-            p = tl.load(mpos_ptr + r, mask=ms, other=0)
-            tl.store(hso_row + p, tl.full([BLOCK_W], -1, tl.int32), mask=ms)
+    # 5. staged rows do not enter the hot cache
+    for r0 in range(n_fill, n_miss, BLOCK_W):
+        r = r0 + offs_w
+        ms = r < n_miss
+        p = tl.load(mpos_ptr + r, mask=ms, other=0)
+        tl.store(hso_row + p, tl.full([BLOCK_W], -1, tl.int32), mask=ms)
 
-    # 6. (COPY) this program copies its own misses, host -> device, zero-copy
+    # 6. (COPY) this program copies its own misses, host -> device, zero-copy: words
+    #    of consecutive rows side by side (no lane idles on a row's padding)
     if COPY:
         if n_miss > 0:
             tl.debug_barrier()  # miss_src / miss_dst written by other threads
-            rows = tl.arange(0, CROWS)
-            cols = tl.arange(0, CBLOCK_C)
-            for r0 in range(0, n_miss, CROWS):
-                r = r0 + rows
-                rm = r < n_miss
-                src = tl.load(miss_src_row + r, mask=rm, other=0)
-                dst = tl.load(miss_dst_row + r, mask=rm, other=0).to(tl.int64)
-                src_off = src[:, None] * SRC_STRIDE
-                dst_off = dst[:, None] * DST_STRIDE
-                for c0 in tl.static_range(0, ROW_ELEMS, CBLOCK_C):
-                    c = c0 + cols
-                    m = rm[:, None] & (c < ROW_ELEMS)[None, :]
-                    v = tl.load(copy_src_ptr + src_off + c[None, :], mask=m)
-                    tl.store(copy_dst_ptr + dst_off + c[None, :], v, mask=m)
+            offs_e = tl.arange(0, COPY_ELEMS)
+            n_elems = n_miss * ROW_ELEMS
+            for e0 in range(0, n_elems, COPY_ELEMS):
+                e = e0 + offs_e
+                me = e < n_elems
+                r = e // ROW_ELEMS
+                c = e - r * ROW_ELEMS
+                src = tl.load(miss_src_row + r, mask=me, other=0)
+                dst = tl.load(miss_dst_row + r, mask=me, other=0).to(tl.int64)
+                v = tl.load(copy_src_ptr + src * SRC_STRIDE + c, mask=me)
+                tl.store(copy_dst_ptr + dst * DST_STRIDE + c, v, mask=me)
 
     tl.store(miss_count_ptr + n, n_miss)
     counters_row = counters_ptr + n * 4
@@ -436,23 +491,25 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     if n_batch == 0:
         return locations, miss_src, miss_dst, miss_count, counters
     # one wave (N <= SMs): whole-B block, fewest dependent steps; more programs than
-    # SMs: small chunks so that two CTAs fit an SM (one-block B takes ~240 registers)
+    # SMs: small chunks, so that two CTAs fit an SM (the one-block pass takes 128
+    # registers at 16 warps: one CTA per SM, a second wave)
     one_wave = n_batch <= _sm_count(dev)
     block_w = min(_BLOCK_W if one_wave else _MANY_BLOCK_W, triton.next_power_of_2(max(width, 1)))
     b_pad = triton.next_power_of_2(max(budget, 1))
-    one_b = one_wave and b_pad <= _ONE_BLOCK_B
-    block_b = b_pad if one_b else min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
+    if one_wave and b_pad <= _ONE_BLOCK_B:
+        lru_mode, block_b = 1, b_pad
+    else:
+        lru_mode, block_b = 0, min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
     sort_max = max(16, triton.next_power_of_2(max(width, 1)))
-    scratch = torch.empty(n_batch, width + sort_max + (0 if one_b else budget), dtype=torch.int32,
-                          device=dev)
+    scratch = torch.empty(n_batch, 2 * width + sort_max + (budget if lru_mode == 0 else 0),
+                          dtype=torch.int32, device=dev)
     if fused:
         copy_src, copy_dst, row_elems = views
-        cblock_c = min(triton.next_power_of_2(row_elems), 512)
-        crows = max(1, _COPY_ELEMS // cblock_c)
         src_stride, dst_stride = copy_src.stride(0), copy_dst.stride(0)
     else:
-        copy_src, copy_dst, row_elems, cblock_c, crows = miss_src, miss_src, 1, 1, 1
+        copy_src, copy_dst, row_elems = miss_src, miss_src, 1
         src_stride = dst_stride = 1
+    warps = _num_warps(sort_max)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
@@ -471,12 +528,13 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
             BLOCK_B=block_b,
-            ONE_B=one_b,
-            SORT_MAX=sort_max,
+            LRU_MODE=lru_mode,
+            SORT_MAX=sort_max, SORT_MID=_SORT_MID,
+            MARK_STORE=lru_mode > 0 and _MARK_STORE,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
-            ROW_ELEMS=row_elems, CROWS=crows, CBLOCK_C=cblock_c,
+            ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
             SKIP=_SKIP,
-            num_warps=_num_warps(sort_max),
+            num_warps=warps,
             num_stages=1,
         )
     if copy and not fused:
