@@ -186,6 +186,7 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--calls", type=int, default=3, help="consecutive calls per configuration")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cases", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--host-pool-gib", type=float, default=HOST_POOL_GIB)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_correctness.json"))
     args = ap.parse_args()
@@ -215,11 +216,37 @@ def main() -> int:
                                             generator=gen_dev))
 
     all_cases = cases(args.small)
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = sorted(set(wanted) - {c.name for c in all_cases})
+        if unknown:
+            print(f"unknown --cases {unknown}; valid: {[c.name for c in all_cases]}", file=sys.stderr)
+            return 2
+        all_cases = [c for c in all_cases if c.name in wanted]
     header = (f"{'case':<24} {'call':>4} {'direct':>8} {'hot':>8} {'host':>8} {'fetched':>8} "
               f"{'staged':>7} {'res ms':>8} {'gat ms':>8} {'GB/s':>6}  result")
     print(header)
     print("-" * len(header))
     started = time.perf_counter()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(done: list, complete: bool) -> dict:
+        # rewritten after every configuration: a run cut short keeps what it checked
+        result = dict(
+            device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (TRITON_INTERPRET=1)",
+            torch=torch.__version__, triton=triton.__version__,
+            date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            small=args.small, seed=args.seed, calls_per_case=args.calls,
+            page_size=PAGE_SIZE if not args.small else 4,
+            host_pool_gib=round(pool_bytes / 2**30, 3), seconds=round(time.perf_counter() - started, 1),
+            complete=complete, configurations_checked=len(done), configurations=len(all_cases),
+            passed=all(c.passed for c in done) and bool(done),
+            cases=[dict(name=c.name, **{k: v for k, v in asdict(c).items()}) for c in done],
+        )
+        out_path.write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
     for index, case in enumerate(all_cases):
         g = torch.Generator().manual_seed(args.seed * 1000 + index)
         setup = Setup(case, pool, dev, g, args.small)
@@ -245,23 +272,14 @@ def main() -> int:
         del setup
         if dev == "cuda":
             torch.cuda.empty_cache()
+        write(all_cases[:index + 1], complete=False)
 
-    passed = all(c.passed for c in all_cases)
-    result = dict(
-        device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (TRITON_INTERPRET=1)",
-        torch=torch.__version__, triton=triton.__version__,
-        date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        small=args.small, seed=args.seed, calls_per_case=args.calls, page_size=PAGE_SIZE if not args.small else 4,
-        host_pool_gib=round(pool_bytes / 2**30, 3), seconds=round(time.perf_counter() - started, 1),
-        passed=passed,
-        cases=[dict(name=c.name, **{k: v for k, v in asdict(c).items()}) for c in all_cases],
-    )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result = write(all_cases, complete=True)
+    passed = result["passed"]
+
     n_fail = sum(not c.passed for c in all_cases)
     print(f"\n{len(all_cases) - n_fail}/{len(all_cases)} configurations passed "
-          f"in {result['seconds']} s; wrote {out}")
+          f"in {result['seconds']} s; wrote {out_path}")
     return 0 if passed else 1
 
 
