@@ -42,6 +42,7 @@ VARIANTS = {  # v3 = the module's defaults; the others each change one setting
     "nomark": dict(_MARK_STORE=False),
     "copy2k": dict(_COPY_ELEMS=2048),
     "copy8k": dict(_COPY_ELEMS=8192),
+    "copy16k": dict(_COPY_ELEMS=16384),
 }
 # phase breakdown (resolve only, results wrong on purpose: never checked)
 SKIPS = {"p1": 7, "p1_noatomic": 15, "p12": 6, "p123": 4}
@@ -69,6 +70,7 @@ def main() -> int:
     ap.add_argument("--no-nomiss", action="store_true")
     ap.add_argument("--graph-only", action="store_true")
     ap.add_argument("--breakdown-batches", default="8,160")
+    ap.add_argument("--batches", default="", help="SGLang-cell batches to run (default: all)")
     args = ap.parse_args()
     dev = C.device()
     variants = args.variants.split(",")
@@ -79,7 +81,9 @@ def main() -> int:
         for v in [DEFAULTS] + list(VARIANTS.values()):
             v.update(_BLOCK_W=min(v.get("_BLOCK_W", 2048), 8), _BLOCK_B=4,
                      _ONE_BLOCK_B=min(v.get("_ONE_BLOCK_B", 4096), 32))
-    scfg = BS.SMOKE if args.smoke else BS.REAL
+    scfg = dict(BS.SMOKE if args.smoke else BS.REAL)
+    if args.batches:
+        scfg["batches"] = tuple(int(b) for b in args.batches.split(","))
     ncfg = BR.SMOKE if args.smoke else BR.REAL
     rows, failures = [], []
 
