@@ -92,6 +92,33 @@ def _sort_prefix(ptr, count, SIZE: tl.constexpr):
 
 
 @triton.jit
+def _sort_from_2048(ptr, count, SORT_MAX: tl.constexpr):
+    if SORT_MAX <= 2048:
+        _sort_prefix(ptr, count, SORT_MAX)
+    elif count <= 2048:
+        _sort_prefix(ptr, count, 2048)
+    else:
+        _sort_prefix(ptr, count, SORT_MAX)
+
+
+@triton.jit
+def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
+    """Sorts the ``count`` distinct misses with the smallest of 256 / SORT_MID / 2048 /
+    SORT_MAX keys that holds them (a bitonic sort costs its size, not the count)."""
+    if SORT_MAX <= 256:
+        _sort_prefix(ptr, count, SORT_MAX)
+    elif count <= 256:
+        _sort_prefix(ptr, count, 256)
+    elif SORT_MID > 256 and SORT_MID < SORT_MAX and SORT_MID != 2048:
+        if count <= SORT_MID:
+            _sort_prefix(ptr, count, SORT_MID)
+        else:
+            _sort_from_2048(ptr, count, SORT_MAX)
+    else:
+        _sort_from_2048(ptr, count, SORT_MAX)
+
+
+@triton.jit
 def _lru_block(slot_b, hp, b, mb, run, n_fill, n_left, mpos_ptr, mj_ptr, hot_pos_row,
                hot_rows_row, hso_row, miss_dst_row, loc_row, max_pos):
     """Phase 3 on one block of LRU positions ``b`` (slots ``slot_b``, their hot_pos
@@ -232,27 +259,7 @@ def _resolve_kernel(
             tl.store(mpos_ptr + n_miss + tl.cumsum(o, 0) - o, kp, mask=own)
             n_miss += tl.sum(o)
         tl.debug_barrier()
-        # the smallest of 256 / SORT_MID / 2048 / SORT_MAX keys that holds the misses
-        # (a bitonic sort's cost grows with its size, not with the count sorted)
-        if SORT_MAX <= 256:
-            _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
-        elif n_miss <= 256:
-            _sort_prefix(mpos_ptr, n_miss, 256)
-        elif SORT_MID > 256 and SORT_MID < SORT_MAX and SORT_MID != 2048:
-            if n_miss <= SORT_MID:
-                _sort_prefix(mpos_ptr, n_miss, SORT_MID)
-            elif SORT_MAX <= 2048:
-                _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
-            elif n_miss <= 2048:
-                _sort_prefix(mpos_ptr, n_miss, 2048)
-            else:
-                _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
-        elif SORT_MAX <= 2048:
-            _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
-        elif n_miss <= 2048:
-            _sort_prefix(mpos_ptr, n_miss, 2048)
-        else:
-            _sort_prefix(mpos_ptr, n_miss, SORT_MAX)
+        _sort_misses(mpos_ptr, n_miss, SORT_MAX, SORT_MID)
         tl.debug_barrier()
         for r0 in range(0, n_miss, BLOCK_W):
             r = r0 + offs_w
