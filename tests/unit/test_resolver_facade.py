@@ -1,6 +1,7 @@
 """Resolver façade through KVHierarchy.resolve: input validation and exactness (eq. 6, 12)."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
@@ -54,6 +55,47 @@ def test_bad_input_names_the_value(setup, bad, exc, needle):
     with pytest.raises(exc) as e:
         h.resolve("s", ["r_host"], bad())
     assert needle in str(e.value)
+
+
+def test_bad_selection_names_its_request_and_bound(setup):
+    """Bounds are per request: 10 is fine for r_host (13 rows), not for r_dev (7 rows)."""
+    h, _ = setup
+    both = torch.tensor([[[10, -1]], [[6, 10]]], dtype=torch.int32)
+    with pytest.raises(IndexError) as e:
+        h.resolve("s", ["r_host", "r_dev"], both)
+    assert str(e.value) == ("selection 10 at [1, 0, 1] (request 'r_dev') is outside [0, 7) rows "
+                            "of source 's'; -1 is the only allowed padding")
+    low = torch.tensor([[[0, 1], [2, -3]], [[-2, 0], [0, 0]]], dtype=torch.int32)
+    with pytest.raises(IndexError, match=r"selection -3 at \[0, 1, 1\] \(request 'r_host'\)"):
+        h.resolve("s", ["r_host", "r_dev"], low)
+    h.resolve("s", ["r_host", "r_dev"], torch.tensor([[[12, -1]], [[6, -1]]], dtype=torch.int32))
+
+
+class OpLog(TorchDispatchMode):
+    """Records the aten ops run under it (views excluded: they read no data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append((func, [a.numel() for a in args if isinstance(a, torch.Tensor)]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_bounds_check_is_one_pass_and_one_sync(setup):
+    """The hook validates once per layer per step: one reduction over the selections
+    [N, K, k] and one device->host read, however many requests and queries."""
+    h, _ = setup
+    s = torch.tensor([[[1, 2, 7, -1], [7, 1, -1, 8]], [[0, 6, 3, -1], [2, 2, 2, 2]]],
+                     dtype=torch.int32)
+    log = OpLog()
+    with log:
+        h.source("s").resolver.validate(["r_host", "r_dev"], s)
+    full = [f for f, sizes in log.ops if s.numel() in sizes]  # passes over all selections
+    syncs = [f for f, _ in log.ops if f is torch.ops.aten._local_scalar_dense.default]
+    assert len(full) == 1 and len(syncs) == 1, log.ops
 
 
 def test_unknown_request_and_source(setup):

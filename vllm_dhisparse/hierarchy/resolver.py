@@ -108,10 +108,17 @@ class Resolver:
             raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.budget} of source "
                              f"{src.name!r}; B must be >= k")
         slot_ids = src.slots(req_ids)  # KeyError names an unknown id
-        if n:
-            lens = src.seq_lens[slot_ids.long()].view(n, 1, 1)
-            bad = (selections < -1) | (selections >= lens)
-            if bool(bad.any()):
+        if selections.numel():
+            # One host sync per call stays: a bad row must raise before the kernels index
+            # with it, and the vLLM hook cannot check once per step, since every sparse
+            # layer's indexer writes its own top-k (and this step's rows are masked per
+            # source).  One pass (per-request min / max), one read; the error path alone
+            # looks for the first bad element.
+            lens = src.seq_lens[slot_ids.long()]  # [N]
+            lo, hi = torch.aminmax(selections.reshape(n, -1), dim=1)  # [N]
+            if ((lo < -1) | (hi >= lens)).any().item():
+                lens = lens.view(n, 1, 1)
+                bad = (selections < -1) | (selections >= lens)
                 b, q, i = (int(x) for x in bad.nonzero()[0])
                 raise IndexError(
                     f"selection {int(selections[b, q, i])} at [{b}, {q}, {i}] (request "

@@ -110,6 +110,14 @@ METRICS: tuple[MetricDef, ...] = (
               "Wall time of one KVHierarchy.resolve call (recorded on CPU, or with "
               f"{TIME_RESOLVE_ENV}=1)."),
 )
+# counter key -> key of ``WorkerSide.summary()["totals"]`` it reports
+SUMMARY_TOTALS = {
+    "selected_rows_direct": "direct", "selected_rows_hot": "hot", "selected_rows_host": "host",
+    "rows_fetched": "fetched", "host_to_device_bytes": "bytes_fetched",
+    "verify_host_selections": "verify_host_selections", "verify_rows_fetched": "verify_fetched",
+    "resolve_calls": "resolve_calls", "admissions": "admissions",
+    "admissions_waited": "admissions_waited",
+}
 COUNTERS = tuple(m for m in METRICS if m.kind == "counter")
 GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
 HISTOGRAMS = tuple(m for m in METRICS if m.kind == "histogram")
@@ -186,23 +194,17 @@ class StatsCollector:
 
     @staticmethod
     def cumulative(worker: "WorkerSide") -> tuple[dict[str, int], dict[str, int]]:
-        """``(counters, gauges)`` now, summed over sources."""
+        """``(counters, gauges)`` now, summed over sources.  Resolver and admission
+        counters are ``WorkerSide.summary()``'s totals (one place sums them)."""
         h = worker.hierarchy
-        st = h.stats()
+        summary = worker.summary()
+        totals = summary["totals"]
         counters = dict.fromkeys((m.key for m in COUNTERS), 0)
         gauges = dict.fromkeys((m.key for m in GAUGES), 0)
         counters["selected_rows"] = worker.selected_rows
-        counters["selected_rows_direct"] = worker.fresh_selections
-        for name, src in st["sources"].items():
-            r = src["resolver"]
-            counters["selected_rows_direct"] += r["direct"]
-            counters["selected_rows_hot"] += r["hot"]
-            counters["selected_rows_host"] += r["host"]
-            counters["rows_fetched"] += r["fetched"]
-            counters["host_to_device_bytes"] += r["bytes_fetched"]
-            counters["verify_host_selections"] += r["verify_host_selections"]
-            counters["verify_rows_fetched"] += r["verify_fetched"]
-            counters["resolve_calls"] += r["calls"]
+        for key, total in SUMMARY_TOTALS.items():
+            counters[key] = totals[total]
+        for name, src in summary["sources"].items():
             for key in ("reclaim_events", "requests_reclaimed", "pages_reclaimed",
                         "pages_repopulated", "host_pages_written", "host_backups_deferred"):
                 counters[key] += src[key]
@@ -220,9 +222,7 @@ class StatsCollector:
             rm = parts.residency
             gauges["staging_bytes"] += (rm.staging_pages * len(rm.requests) * rm.page_size
                                         * parts.spec.row_bytes)
-        counters["admissions"] = st["admissions"]
-        counters["admissions_waited"] = st["admissions_waited"]
-        gauges["admitted_requests"] = st["admitted"]
+        gauges["admitted_requests"] = len(h.requests)
         return counters, gauges
 
     def collect(self, worker: "WorkerSide") -> DHiSparseConnectorStats | None:

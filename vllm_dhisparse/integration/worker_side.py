@@ -69,6 +69,8 @@ class WorkerSide:
         self.fresh_rows: dict[str, int] = {}  # per source: staging columns for this step's rows
         self.fresh_selections = 0  # selections of rows computed this step (tail, direct)
         self.step_req_ids: list[str] = []  # requests scheduled in the current step
+        # this step's newest_blocks(...) per (group, tokens_per_block); the hook asks per layer
+        self.newest: dict[tuple[int, int], dict[int, str]] = {}
         self.failed_unreported: dict[str, str] = {}  # for the scheduler (worker metadata)
         self.failed_total = 0
         # metrics (stats.py): valid selections counted here, independently of the resolver's
@@ -136,6 +138,7 @@ class WorkerSide:
     def begin_step(self, meta: DHiSparseMetadata) -> None:
         h = self.hierarchy
         assert h is not None, "register_kv_caches must run before the first step"
+        self.newest.clear()
         for rid in sorted(meta.finished | meta.preempted):
             req = self.requests.pop(rid, None)
             if req is not None and req.admitted:
@@ -276,14 +279,13 @@ class WorkerSide:
         """Batch row -> admitted request id, matched by the block holding the request's
         newest token.  That block is live (never behind the device window), so it belongs
         to one running request only; a request's first block may have been freed and
-        handed to another request (stale in the worker's block table)."""
+        handed to another request (stale in the worker's block table).  The block -> request
+        map is built once per step and (group, tokens per block): every layer asks."""
         tokens_per_block = layer.rows_per_block * layer.compress_ratio
-        newest = {}
-        for r in self.requests.values():
-            blocks = r.block_ids[layer.group] if r.admitted else None
-            n = r.num_computed_tokens + r.num_scheduled_tokens
-            if blocks and n > 0 and (n - 1) // tokens_per_block < len(blocks):
-                newest[blocks[(n - 1) // tokens_per_block]] = r.req_id
+        key = (layer.group, tokens_per_block)
+        if key not in self.newest:
+            self.newest[key] = newest_blocks(self.requests.values(), *key)
+        newest = self.newest[key]
         rows = min(block_table.shape[0], seq_lens.shape[0])
         cols = ((seq_lens[:rows].to(torch.int64) - 1).clamp(min=0) // tokens_per_block).cpu()
         cols = cols.clamp(max=block_table.shape[1] - 1)
@@ -343,6 +345,7 @@ class WorkerSide:
                     self._fail(self.requests[rid], why)
             if self.cfg.stats_file:
                 write_json_atomic(self.cfg.stats_file, self.summary())
+        self.newest.clear()  # capture_step admitted and failed requests
 
     def summary(self) -> dict:
         """Counters summed over sources (this step's rows count as direct: they are tail rows)."""
@@ -369,6 +372,16 @@ class WorkerSide:
         """Deltas since the previous call, for vLLM's metrics path (stats.py)."""
         return self.stats_collector.collect(self)
 
+
+def newest_blocks(requests, group: int, tokens_per_block: int) -> dict[int, str]:
+    """Block holding each admitted request's newest token (this step's) -> request id."""
+    newest = {}
+    for r in requests:
+        blocks = r.block_ids[group] if r.admitted else None
+        n = r.num_computed_tokens + r.num_scheduled_tokens
+        if blocks and n > 0 and (n - 1) // tokens_per_block < len(blocks):
+            newest[blocks[(n - 1) // tokens_per_block]] = r.req_id
+    return newest
 
 
 def _corrupt_one(locs: torch.Tensor) -> None:

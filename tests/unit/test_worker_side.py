@@ -1,0 +1,151 @@
+"""WorkerSide on CPU without a model: two sparse sources in two KV cache groups, fed
+scripted step metadata and vLLM-like paged caches.
+
+* the stats collector's resolver / admission counters are ``summary()``'s totals;
+* the hook's batch row -> request map (block of the newest token) is built once per
+  step and group, and follows the request's blocks from one step to the next.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="WorkerSide logs through vLLM's logger")
+
+from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
+from vllm_dhisparse.integration import worker_side as WS  # noqa: E402
+from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
+from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.stats import SUMMARY_TOTALS, StatsCollector  # noqa: E402
+
+# 16 and 8 tokens per vLLM block
+LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=4, group=0,
+                      segments=(4, 2)),
+          SparseLayer("l1", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=2, group=1,
+                      segments=(5, 1))]
+NUM_BLOCKS = 40
+fresh_newest_blocks = WS.newest_blocks  # unpatched, for a map built from scratch
+
+# "a" decodes 2 queries per step (admitted at step 1, a new block in each group at step 2);
+# "b" is in prefill (never admitted).  Block tables as vLLM hands them: rows a, b.
+STEPS = [
+    dict(meta=DHiSparseMetadata(step=1, requests=[
+        RequestStep("a", 40, 2, prompt_len=40, block_ids=([10, 11, 12], [20, 21, 22, 23, 24, 25]),
+                    replace_blocks=True, max_tokens=40),
+        RequestStep("b", 0, 16, prompt_len=30, block_ids=([13, 14], [26, 27, 28, 29]),
+                    replace_blocks=True, max_tokens=10)]),
+         tables=([[10, 11, 12, 0], [13, 14, 0, 0]],
+                 [[20, 21, 22, 23, 24, 25, 0], [26, 27, 28, 29, 0, 0, 0]]),
+         seq_lens=[42, 16]),
+    dict(meta=DHiSparseMetadata(step=2, requests=[
+        RequestStep("a", 48, 2, prompt_len=40, block_ids=([15], [30]), replace_blocks=False,
+                    max_tokens=40),
+        RequestStep("b", 16, 14, prompt_len=30, block_ids=([], []), replace_blocks=False,
+                    max_tokens=10)]),
+         tables=([[10, 11, 12, 15], [13, 14, 0, 0]],
+                 [[20, 21, 22, 23, 24, 25, 30], [26, 27, 28, 29, 0, 0, 0]]),
+         seq_lens=[50, 30]),
+]
+# per step: each token of "a" selects request-local rows; rows >= committed are this step's
+TOPK = [[[0, 3, 9, 10], [5, 9, 10, -1]], [[1, 3, 11, 12], [12, 0, 6, -1]]]
+
+
+def make_worker() -> WS.WorkerSide:
+    cfg = DHiSparseConfig(hot_cache_rows=4, host_pool_gib=0.001, tail_pages=1,
+                          optional_residency=False, device_window_tokens=0)
+    w = WS.WorkerSide(cfg, LAYERS, max_model_len=128, max_num_seqs=2, max_spec_queries=2,
+                      device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    w.register_kv_caches({
+        layer.name: torch.randint(0, 256, (NUM_BLOCKS, layer.rows_per_block * layer.row_bytes),
+                                  dtype=torch.uint8, generator=g)
+        for layer in LAYERS})
+    return w
+
+
+def run_step(w: WS.WorkerSide, step: int, resolves: int = 2) -> None:
+    """One scheduled step: bind, the hook's calls for every layer, then end the step."""
+    s = STEPS[step]
+    w.begin_step(s["meta"])
+    for layer in LAYERS:
+        rows_req = w.rows_to_requests(torch.tensor(s["tables"][layer.group], dtype=torch.int32),
+                                      layer, torch.tensor(s["seq_lens"], dtype=torch.int32))
+        assert rows_req == ["a", None], (step, layer.name, rows_req)
+        for _ in range(resolves):  # the second call hits the hot cache
+            w.resolve_tokens(layer, torch.tensor([0, 0]),
+                             torch.tensor(TOPK[step], dtype=torch.int32), rows_req)
+    w.end_step()
+
+
+def verify_rows_to_requests(w: WS.WorkerSide, step: int, layer: SparseLayer) -> list[str | None]:
+    """The hook's answer, checked against a map built now from the requests' state."""
+    s = STEPS[step]
+    table = torch.tensor(s["tables"][layer.group], dtype=torch.int32)
+    got = w.rows_to_requests(table, layer, torch.tensor(s["seq_lens"], dtype=torch.int32))
+    tokens_per_block = layer.rows_per_block * layer.compress_ratio
+    fresh = fresh_newest_blocks(w.requests.values(), layer.group, tokens_per_block)
+    want = [fresh.get(row[(n - 1) // tokens_per_block]) for row, n in zip(s["tables"][layer.group],
+                                                                         s["seq_lens"])]
+    assert got == want, (step, layer.name, got, want)
+    return got
+
+
+# -- item: one place sums the resolver counters over sources ---------------------------------
+def test_collector_totals_equal_summary_totals():
+    w = make_worker()
+    for step in range(len(STEPS)):
+        run_step(w, step)
+    per_source = [w.hierarchy.source(layer.name).resolver.totals() for layer in LAYERS]
+    for t in per_source:  # every counter is exercised in every source
+        assert t.calls and t.direct and t.hot and t.host and t.fetched and t.verify_fetched, t
+    assert w.fresh_selections > 0
+    expected = dict(
+        selected_rows_direct=w.fresh_selections + sum(t.direct for t in per_source),
+        selected_rows_hot=sum(t.hot for t in per_source),
+        selected_rows_host=sum(t.host for t in per_source),
+        rows_fetched=sum(t.fetched for t in per_source),
+        host_to_device_bytes=sum(t.bytes_fetched for t in per_source),
+        verify_host_selections=sum(t.verify_host_selections for t in per_source),
+        verify_rows_fetched=sum(t.verify_fetched for t in per_source),
+        resolve_calls=sum(t.calls for t in per_source),
+        admissions=2, admissions_waited=0)  # "b" after its last prefill chunk
+    totals = w.summary()["totals"]
+    counters, gauges = StatsCollector.cumulative(w)
+    assert {k: counters[k] for k in SUMMARY_TOTALS} == expected
+    assert {k: totals[t] for k, t in SUMMARY_TOTALS.items()} == expected
+    assert counters["selected_rows"] == totals["selected"]  # counted apart, must agree
+    assert gauges["admitted_requests"] == 2
+
+
+def test_collector_reads_summary(monkeypatch):
+    """The collector does not re-sum: whatever summary() reports is what it exports."""
+    w = make_worker()
+    run_step(w, 0)
+    summary = w.summary
+
+    def shifted():
+        s = summary()
+        s["totals"] = {k: v + 1000 for k, v in s["totals"].items()}
+        return s
+    totals = summary()["totals"]
+    monkeypatch.setattr(w, "summary", shifted)
+    counters, _ = StatsCollector.cumulative(w)
+    assert {k: counters[k] for k in SUMMARY_TOTALS} == \
+        {k: totals[t] + 1000 for k, t in SUMMARY_TOTALS.items()}
+
+
+# -- item: the newest-block map is cached per step -------------------------------------------
+def test_newest_block_map_built_once_per_step_and_follows_new_blocks(monkeypatch):
+    w = make_worker()
+    built = []
+    monkeypatch.setattr(WS, "newest_blocks", lambda requests, *key:
+                        built.append(key) or fresh_newest_blocks(requests, *key))
+    for step in range(len(STEPS)):
+        w.begin_step(STEPS[step]["meta"])
+        for _ in range(3):  # several layers of one group ask in one step
+            for layer in LAYERS:
+                # step 2: "a"'s newest token moved to blocks 15 / 30; a map kept from
+                # step 1 would answer None for it
+                assert verify_rows_to_requests(w, step, layer) == ["a", None]
+        w.end_step()
+    assert built == [(0, 16), (1, 8)] * len(STEPS)
