@@ -221,7 +221,8 @@ def apply_overrides(items: list) -> dict:
     """``_NAME=INT`` strings -> set on vllm_dhisparse.triton_kernels.resolve."""
     mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     valid = sorted(k for k, v in vars(mod).items()
-                   if k.startswith("_") and k[1:].isupper() and type(v) in (int, bool))
+                   if k.startswith("_") and k[1:].isupper() and type(v) in (int, bool)
+                   and k not in ("_INT32_MAX", "_MAX_WIDTH", "_SKIP"))  # limits, profiling
     out = {}
     for item in items:
         name, _, value = item.partition("=")

@@ -1,9 +1,7 @@
 """Checks and times resolver variants in one device call (issue: resolver vs SGLang).
 
 Variants are launcher settings of ``vllm_dhisparse.triton_kernels.resolve``
-(module constants) plus ``v0``, the sort-based kernel kept in
-``benchmarks/versions/resolve_v0.py`` (timed only: its miss order is the old
-spec's).  Cases: the nine SGLang cells (k=2048, B=4096, 656 B, 32K history,
+(module constants).  Cases: the nine SGLang cells (k=2048, B=4096, 656 B, 32K history,
 batch 8/32/160 x 0/5/30 % misses; timed eagerly like bench_sglang.py) and the
 no-miss cells of bench_resolve.py (k=512, 584 B; CUDA-graph timed).  Every new
 variant is checked against the reference on every case before it is timed.
@@ -66,7 +64,6 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    ap.add_argument("--no-v0", action="store_true")
     ap.add_argument("--no-nomiss", action="store_true")
     ap.add_argument("--graph-only", action="store_true")
     ap.add_argument("--breakdown-batches", default="8,160")
@@ -74,9 +71,6 @@ def main() -> int:
     args = ap.parse_args()
     dev = C.device()
     variants = args.variants.split(",")
-    old = None
-    if not args.smoke and not args.no_v0:
-        old = importlib.import_module("versions.resolve_v0").resolve
     if args.smoke:
         for v in [DEFAULTS] + list(VARIANTS.values()):
             v.update(_BLOCK_W=min(v.get("_BLOCK_W", 2048), 8), _BLOCK_B=4,
@@ -93,6 +87,17 @@ def main() -> int:
         print(f"  {case:<34} {variant:<14} {s['median_ms'] * 1e3:8.1f} us "
               f"[p10 {s['p10_ms'] * 1e3:.1f} p90 {s['p90_ms'] * 1e3:.1f}] {s['mode']}", flush=True)
 
+    def checked_call(case, name, st, sel, slot_ids, ref_cache, want_misses=None):
+        """The variant's resolve + copy as a closure, or None when it differs from the
+        reference (recorded as a failure, never timed)."""
+        fn, gfn = use(name)
+        chk = C.check_against_reference(st, sel, slot_ids, fn, gfn, ref_cache=ref_cache)
+        if not chk["ok"] or (want_misses is not None and chk["unique_misses"] != want_misses):
+            failures.append(f"{case} {name}: {chk['message']}")
+            print(f"  CHECK FAILED {case} {name}: {chk['message']}", flush=True)
+            return None
+        return lambda: C.resolve_and_copy(fn, gfn, st, sel, slot_ids)
+
     # ---- SGLang cells (eager, like bench_sglang.py)
     host = C.pinned_rows(max(scfg["batches"]) * scfg["rows"], scfg["row_bytes"], seed=5)
     for n in scfg["batches"]:
@@ -102,19 +107,10 @@ def main() -> int:
             case = f"sglang b={n} miss={frac:.0%}"
             use.st = st
             ref_cache = {}
-            for name in variants + (["v0"] if old else []):
-                fn, gfn = (old, gather_rows) if name == "v0" else use(name)
-                if name != "v0":
-                    chk = C.check_against_reference(st, sel, slot_ids, fn, gfn, ref_cache=ref_cache)
-                    if not chk["ok"] or chk["unique_misses"] != n * n_miss:
-                        failures.append(f"{case} {name}: {chk['message']}")
-                        print(f"  CHECK FAILED {case} {name}: {chk['message']}", flush=True)
-                        continue
-
-                def call(fn=fn, gfn=gfn, st=st, sel=sel, slot_ids=slot_ids):
-                    loc, src, dst, cnt, _ = fn(*st.resolve_args(sel, slot_ids))
-                    gfn(st.host_rows, st.device_rows, src, dst, cnt)
-
+            for name in variants:
+                call = checked_call(case, name, st, sel, slot_ids, ref_cache, n * n_miss)
+                if call is None:
+                    continue
                 if not args.graph_only:
                     record(case, name, C.time_gpu(call, setup=st.restore, reps=scfg["reps"],
                                                   spacer_us=1000.0))
@@ -153,20 +149,10 @@ def main() -> int:
                 case = f"nomiss b={n} B={budget} {mode} m={misses}"
                 use.st = st
                 ref_cache = {}
-                for name in variants + (["v0"] if old else []):
-                    fn, gfn = (old, gather_rows) if name == "v0" else use(name)
-                    if name != "v0":
-                        chk = C.check_against_reference(st, sel, slot_ids, fn, gfn,
-                                                        ref_cache=ref_cache)
-                        if not chk["ok"]:
-                            failures.append(f"{case} {name}: {chk['message']}")
-                            print(f"  CHECK FAILED {case} {name}: {chk['message']}", flush=True)
-                            continue
-
-                    def call(fn=fn, gfn=gfn, st=st, sel=sel, slot_ids=slot_ids):
-                        loc, src, dst, cnt, _ = fn(*st.resolve_args(sel, slot_ids))
-                        gfn(st.host_rows, st.device_rows, src, dst, cnt)
-
+                for name in variants:
+                    call = checked_call(case, name, st, sel, slot_ids, ref_cache)
+                    if call is None:
+                        continue
                     record(case, name, C.time_gpu(call, setup=st.restore, reps=ncfg["nm_reps"],
                                                   graph=True, spacer_us=100.0))
             del st
