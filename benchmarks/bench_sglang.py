@@ -222,7 +222,7 @@ def apply_overrides(items: list) -> dict:
     mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     valid = sorted(k for k, v in vars(mod).items()
                    if k.startswith("_") and k[1:].isupper() and type(v) in (int, bool)
-                   and k not in ("_INT32_MAX", "_MAX_WIDTH", "_SKIP"))  # limits, profiling
+                   and k not in ("_INT32_MAX", "_MAX_WIDTH", "_MAX_BUDGET"))  # limits
     out = {}
     for item in items:
         name, _, value = item.partition("=")

@@ -100,7 +100,7 @@ def resolve_and_copy(resolve_fn, gather_fn, st, selections, slot_ids):
     args = st.resolve_args(selections, slot_ids)
     if getattr(resolve_fn, "__module__", "").endswith("triton_kernels.resolve"):
         return resolve_fn(*args, host_rows=st.host_rows, device_rows=st.device_rows)
-    out = resolve_fn(*args)
+    out = resolve_fn(*args, num_device_rows=st.device_rows.shape[0])
     gather_fn(st.host_rows, st.device_rows, out[1], out[2], out[3])
     return out
 
@@ -397,7 +397,8 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
         ref_args = (selections, slot_ids, st.page_table, st.page_size, ref_tables["hot_pos"],
                     st.hot_rows, ref_tables["lru_order"], ref_tables["hot_slot_of"],
                     st.staging_rows, st.host_base)
-        r_loc, r_src, r_dst, r_cnt, r_ctr = resolve_reference(*ref_args)
+        r_loc, r_src, r_dst, r_cnt, r_ctr = resolve_reference(
+            *ref_args, num_device_rows=st.device_rows.shape[0])
         if ref_cache is not None:
             ref_cache["ref"] = (ref_tables, (r_loc, r_src, r_dst, r_cnt, r_ctr))
     loc, src, dst, cnt, ctr = resolve_and_copy(resolve_fn, gather_fn, st, selections, slot_ids)

@@ -8,7 +8,10 @@ optional-history pages become direct.  Every call compares all outputs and all
 state tensors of ``resolve`` with ``resolve_reference`` run on a shadow copy of
 the state, the whole device pool after ``gather_rows`` with ``gather_reference``
 on a shadow pool, and the bytes at every returned location with the ground-truth
-rows.  Prints a table, writes JSON, exits 1 on any mismatch.
+rows.  A last call per configuration runs on corrupted tables of one request
+(out-of-range and negative entries in every table) with a padding row (slot -1):
+the same checks, and the repairs must be counted.  Prints a table, writes JSON,
+exits 1 on any mismatch.
 
     python benchmarks/gpu_correctness.py                      # H200, < 5 min
     TRITON_INTERPRET=1 python benchmarks/gpu_correctness.py --small --out /tmp/x.json
@@ -111,6 +114,39 @@ class Setup:
         self.ready[torch.arange(S), last] = True
         self.page_table.copy_(torch.where(self.ready.to(self.dev), self.page_starts, -1))
 
+    def corrupt(self, slot_ids: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Corrupts the tables of batch row 0's request (kernel state and shadow alike) with
+        out-of-range and negative entries, makes the last batch row a padding row, and
+        has row 0 select the rows whose entries were corrupted.  Returns the call's
+        (selections, slot ids)."""
+        s, B, P = int(slot_ids[0]), self.B, self.P
+        i32 = (-7, -2**31, 2**31 - 1, -(2**30) + 3)
+        held = (self.hot_pos[s] >= 0).nonzero().flatten()
+        pick = held[torch.randperm(held.numel(), generator=self.g)[:8].to(held.device)]
+        rows = self.hot_pos[s, pick].long()
+        bad_hso = [i32[i % 4] if i % 5 else B + i for i in range(rows.numel())]
+        empty = (self.hot_pos[s] < 0).nonzero().flatten()[:2]  # never-held slots go bad too
+        ready = self.ready[s].nonzero().flatten()[:1]
+        for table, shadow in zip((self.hot_pos, self.lru_order, self.hot_slot_of), self.shadow):
+            for t in (table, shadow):
+                if t is self.hot_slot_of or t is self.shadow[2]:
+                    t[s, rows] = torch.tensor(bad_hso, dtype=torch.int32, device=self.dev)
+                elif t is self.hot_pos or t is self.shadow[0]:
+                    t[s, empty] = torch.tensor([P, -5][:empty.numel()], dtype=torch.int32,
+                                               device=self.dev)
+                else:
+                    t[s, :3] = torch.tensor([-1, B, 2**31 - 1][:min(3, B)], dtype=torch.int32,
+                                            device=self.dev)
+        if ready.numel():  # a ready page's entry beyond the device pool (read-only table)
+            self.page_table[s, int(ready[0])] = self.device_rows.shape[0]
+        sel = sel.clone()
+        k = sel.shape[2]
+        sel[0, 0, :min(k, rows.numel())] = rows[:k].int()
+        slot_ids = slot_ids.clone()
+        if slot_ids.numel() > 1:
+            slot_ids[-1] = -1
+        return sel, slot_ids
+
     def selections(self, slot_ids: torch.Tensor) -> torch.Tensor:
         """K distinct top-k rows per query, shared working set across queries, -1 padding."""
         case, P = self.case, self.P
@@ -134,7 +170,7 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     sync()
     t0 = time.perf_counter()
     got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_rows, s.lru_order, s.hot_slot_of,
-                  s.staging_rows, s.host_base)
+                  s.staging_rows, s.host_base, num_device_rows=s.device_rows.shape[0])
     sync()
     t1 = time.perf_counter()
     locations, miss_src, miss_dst, miss_count, counters = got
@@ -144,7 +180,7 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     t2 = time.perf_counter()
     hp, lo, hs = s.shadow
     want = resolve_reference(sel, slot_ids, *common, hp, s.hot_rows, lo, hs, s.staging_rows,
-                             s.host_base)
+                             s.host_base, num_device_rows=s.device_rows.shape[0])
     errors = []
     for name, a, b in zip(("locations", "miss_src", "miss_dst", "miss_count", "counters"), got, want):
         if not torch.equal(a, b):
@@ -159,6 +195,9 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     del before
     bad_bytes = bad_pad = 0
     for n in range(sel.shape[0]):
+        if int(slot_ids[n]) < 0:  # padding row: no location at all
+            bad_pad += int((locations[n] != -1).sum())
+            continue
         valid = sel[n] >= 0
         bad_pad += int((locations[n][~valid] != -1).sum())
         loc = locations[n][valid].long()
@@ -174,7 +213,7 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     c = counters.sum(0).tolist()
     fetched = int(miss_count.sum())
     moved = fetched * s.case.row_bytes
-    return dict(direct=c[0], hot=c[1], host=c[2], fetched=fetched,
+    return dict(direct=c[0], hot=c[1], host=c[2], fetched=fetched, repairs=c[4],
                 staged=int((miss_dst >= s.stage_start).sum()),
                 resolve_ms=round((t1 - t0) * 1e3, 3), gather_ms=round((t2 - t1) * 1e3, 3),
                 gather_gbps=round(moved / max(t2 - t1, 1e-9) / 1e9, 2),
@@ -255,7 +294,8 @@ def main() -> int:
         warm = setup.selections(slot_ids)
         scratch = [t.clone() for t in (setup.hot_pos, setup.lru_order, setup.hot_slot_of)]
         out = resolve(warm, slot_ids, setup.page_table, setup.page_size, scratch[0], setup.hot_rows,
-                      scratch[1], scratch[2], setup.staging_rows, setup.host_base)
+                      scratch[1], scratch[2], setup.staging_rows, setup.host_base,
+                      num_device_rows=setup.device_rows.shape[0])
         gather_rows(setup.host_rows, setup.device_rows.clone(), out[1], out[2], out[3])
         for call in range(args.calls):
             setup.set_direct(DIRECT_FRACTIONS[min(call, len(DIRECT_FRACTIONS) - 1)])
@@ -269,6 +309,20 @@ def main() -> int:
                   f"{r['gather_gbps']:>6.1f}  {'ok' if r['ok'] else 'FAIL ' + '; '.join(r['errors'])}",
                   flush=True)
             setup.drift()
+        # one more call on corrupted tables of one request, with a padding row: the
+        # kernel and the reference must still agree and every real request stay exact
+        sel, bad_slots = setup.corrupt(slot_ids, setup.selections(slot_ids))
+        r = run_call(setup, sel, bad_slots, resolve, resolve_reference, gather_rows,
+                     gather_reference, sync)
+        if r["repairs"] == 0:
+            r["ok"] = False
+            r["errors"].append("corrupted tables but no repair counted")
+        case.calls.append(dict(r, corrupted=True))
+        case.passed &= r["ok"]
+        print(f"{case.name:<24} {'bad':>4} {r['direct']:>8} {r['hot']:>8} {r['host']:>8} "
+              f"{r['fetched']:>8} {r['staged']:>7} {r['resolve_ms']:>8.2f} {r['gather_ms']:>8.2f} "
+              f"{r['gather_gbps']:>6.1f}  {'ok' if r['ok'] else 'FAIL ' + '; '.join(r['errors'])}"
+              f" ({r['repairs']} repairs)", flush=True)
         del setup
         if dev == "cuda":
             torch.cuda.empty_cache()

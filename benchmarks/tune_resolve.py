@@ -32,7 +32,7 @@ from vllm_dhisparse.triton_kernels import gather_rows  # noqa: E402
 
 DEFAULTS = dict(_BLOCK_W=2048, _BLOCK_B=1024, _ONE_BLOCK_B=4096, _NUM_WARPS=16,
                 _MANY_BLOCK_W=1024, _MANY_BLOCK_B=512, _FUSE_MAX_WIDTH=2048, _COPY_ELEMS=4096,
-                _SORT_MID=1024, _MARK_STORE=True, _SKIP=0, copy=True)
+                _SORT_MID=1024, _MARK_STORE=True, copy=True)
 VARIANTS = {  # v3 = the module's defaults; the others each change one setting
     "v3": dict(),
     "w8": dict(_NUM_WARPS=8),
@@ -42,19 +42,17 @@ VARIANTS = {  # v3 = the module's defaults; the others each change one setting
     "copy8k": dict(_COPY_ELEMS=8192),
     "copy16k": dict(_COPY_ELEMS=16384),
 }
-# phase breakdown (resolve only, results wrong on purpose: never checked)
-SKIPS = {"p1": 7, "p1_noatomic": 15, "p12": 6, "p123": 4}
 
 
-def use(variant: str, skip: int = 0):
-    cfg = dict(DEFAULTS, **VARIANTS[variant], _SKIP=skip)
+def use(variant: str):
+    cfg = dict(DEFAULTS, **VARIANTS[variant])
     for k, v in cfg.items():
         if k.startswith("_"):
             setattr(R, k, v)
     if not cfg["copy"]:
         return R.resolve, gather_rows
 
-    def fused(*args):  # resolve copies (fused when K*k <= _FUSE_MAX_WIDTH)
+    def fused(*args, **_):  # resolve copies (fused when K*k <= _FUSE_MAX_WIDTH)
         return R.resolve(*args, host_rows=use.st.host_rows, device_rows=use.st.device_rows)
     return fused, (lambda *a: None)
 
@@ -66,7 +64,6 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--no-nomiss", action="store_true")
     ap.add_argument("--graph-only", action="store_true")
-    ap.add_argument("--breakdown-batches", default="8,160")
     ap.add_argument("--batches", default="", help="SGLang-cell batches to run (default: all)")
     args = ap.parse_args()
     dev = C.device()
@@ -116,20 +113,6 @@ def main() -> int:
                                                   spacer_us=1000.0))
                 record(case, name + "_graph", C.time_gpu(call, setup=st.restore, reps=scfg["reps"],
                                                          spacer_us=100.0, graph=True))
-                if name == variants[0]:
-                    skips = {"": 0}
-                    if str(n) in args.breakdown_batches.split(","):
-                        skips.update({"_" + k: v for k, v in SKIPS.items()})
-                    for tag, skip in skips.items():
-                        use(name, skip)
-                        rfn = R.resolve  # no copy: skipped phases leave miss_dst unwritten
-
-                        def call_r(fn=rfn, st=st, sel=sel, slot_ids=slot_ids):
-                            fn(*st.resolve_args(sel, slot_ids))
-                        record(case, name + "_resolve" + tag + "_graph",
-                               C.time_gpu(call_r, setup=st.restore, reps=scfg["reps"],
-                                          spacer_us=100.0, graph=True))
-                    use(name)
             del st
     del host
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -5,163 +5,16 @@ bit for bit, over call sequences; then the bytes at every returned location
 Without a GPU the kernel runs in Triton's interpreter (conftest), so shapes stay small.
 """
 import importlib
-import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_dhisparse.triton_kernels import gather_rows, resolve, resolve_reference
+from vllm_dhisparse.triton_kernels import resolve
 from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-OUTPUT_NAMES = ("locations", "miss_src", "miss_dst", "miss_count", "counters")
-STATE_NAMES = ("hot_pos", "lru_order", "hot_slot_of")
-
-
-def assert_same(name, got, want, context=""):
-    """Exact equality with the first mismatches spelled out (byte rows compared per row)."""
-    assert got.shape == want.shape, f"{name}{context}: shape {list(got.shape)} != {list(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}{context}: dtype {got.dtype} != {want.dtype}"
-    rows = got.dtype == torch.uint8 and got.dim() == 2
-    diff = (got != want).any(-1) if rows else (got != want)
-    if not diff.any():
-        return
-    lines = []
-    for i in diff.nonzero()[:8].tolist():
-        g, w = got[tuple(i)].tolist(), want[tuple(i)].tolist()
-        if rows:
-            g, w = g[:16], w[:16]
-        lines.append(f"  [{', '.join(map(str, i))}]: got {g} want {w}")
-    raise AssertionError(f"{name}{context}: {int(diff.sum())} of {diff.numel()} "
-                         f"{'rows' if rows else 'entries'} differ\n" + "\n".join(lines))
-
-
-class World:
-    """A small hierarchy with ground truth: host pool, direct pages, hot cache, staging.
-
-    Device rows are laid out as [hot rows of all slots | direct pages | staging],
-    each region shuffled so that row numbers carry no accidental structure.
-    """
-
-    def __init__(self, *, slots=4, budget=8, positions=64, page_size=4, row_bytes=16,
-                 batch=2, width=8, staging_extra=0, seed=0, lengths=None):
-        g = torch.Generator().manual_seed(seed)
-        self.g = g
-        self.S, self.B, self.P, self.page_size = slots, budget, positions, page_size
-        self.lengths = lengths or [positions] * slots
-        n_pages = -(-positions // page_size)
-        n_hot, n_direct = slots * budget, slots * n_pages * page_size
-        per_row = max(0, width - budget) + staging_extra
-        n_stage = batch * per_row
-        self.n_dev_rows = n_hot + n_direct + n_stage
-        self.host_rows = torch.randint(0, 256, (slots * positions, row_bytes), generator=g,
-                                       dtype=torch.uint8).to(DEVICE)
-        self.host_base = (torch.randperm(slots, generator=g) * positions).to(DEVICE)
-        self.device_rows = torch.zeros(self.n_dev_rows, row_bytes, dtype=torch.uint8, device=DEVICE)
-        self.hot_rows = (torch.randperm(n_hot, generator=g).int().view(slots, budget)).to(DEVICE)
-        page_starts = n_hot + torch.randperm(slots * n_pages, generator=g).int() * page_size
-        self.page_starts = page_starts.view(slots, n_pages).to(DEVICE)
-        self.page_table = torch.full((slots, n_pages), -1, dtype=torch.int32, device=DEVICE)
-        self.staging_rows = (n_hot + n_direct + torch.randperm(n_stage, generator=g).int()) \
-            .view(batch, per_row).to(DEVICE)
-        self.hot_pos = torch.full((slots, budget), -1, dtype=torch.int32, device=DEVICE)
-        self.hot_slot_of = torch.full((slots, positions), -1, dtype=torch.int32, device=DEVICE)
-        self.lru_order = torch.stack([torch.randperm(budget, generator=g)
-                                      for _ in range(slots)]).int().to(DEVICE)
-        self.ref = None
-
-    def truth(self, slot, pos):
-        return self.host_rows[int(self.host_base[slot]) + pos]
-
-    def make_direct(self, slot, pages):
-        """Pages become ready on the device (tail / optional history)."""
-        for p in pages:
-            start = int(self.page_starts[slot, p])
-            self.page_table[slot, p] = start
-            rows = torch.arange(p * self.page_size, min((p + 1) * self.page_size, self.P))
-            self.device_rows[start:start + len(rows)] = self.truth(slot, rows.to(DEVICE))
-
-    def warm(self, slot, positions):
-        """Places rows in the hot cache directly (consistent state, truth bytes copied)."""
-        free = (self.hot_pos[slot] < 0).nonzero().flatten().tolist()
-        for pos, b in zip(positions, free):
-            self.hot_pos[slot, b] = pos
-            self.hot_slot_of[slot, pos] = b
-            self.device_rows[int(self.hot_rows[slot, b])] = self.truth(slot, pos)
-
-    def state(self):
-        return [self.hot_pos, self.lru_order, self.hot_slot_of]
-
-    def selections(self, slot_ids, queries, top_k, *, pad=0.1, dup=0.2, pad_query=False,
-                   lo=0, hi=None):
-        """Random request-local rows in [lo, min(hi, length)) with -1 padding and duplicates."""
-        g = self.g
-        sel = torch.empty(len(slot_ids), queries, top_k, dtype=torch.int32)
-        for n, s in enumerate(slot_ids):
-            top = min(self.lengths[s], hi if hi is not None else self.P)
-            span = max(1, top - lo)
-            rows = lo + torch.randint(0, span, (queries, top_k), generator=g)
-            # duplicates: copy entries from other queries / positions of the same request
-            copy = torch.rand(queries, top_k, generator=g) < dup
-            src = rows.flatten()[torch.randint(0, queries * top_k, (queries, top_k), generator=g)]
-            rows = torch.where(copy, src, rows)
-            rows = torch.where(torch.rand(queries, top_k, generator=g) < pad, -1, rows)
-            if pad_query:
-                rows[torch.randint(0, queries, (1,), generator=g)] = -1
-            sel[n] = rows.int()
-        return sel.to(DEVICE)
-
-    def call(self, sel, slot_ids, *, check_bytes=True, context="", copy=None):
-        """resolve vs resolve_reference on a shadow copy of the state; gather; byte check.
-        ``copy`` True / False: resolve copies the misses itself (fused / by gather_rows)."""
-        if self.ref is None:
-            self.ref = [t.clone() for t in self.state()]
-        slot_t = torch.tensor(slot_ids, dtype=torch.int32, device=DEVICE)
-        args = (self.page_table, self.page_size)
-        tail = (self.staging_rows, self.host_base)
-        rows = {} if copy is None else dict(host_rows=self.host_rows, device_rows=self.device_rows,
-                                            fused_copy=copy)
-        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.lru_order,
-                      self.hot_slot_of, *tail, **rows)
-        hp, lo, hs = self.ref
-        want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, lo, hs, *tail)
-        ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
-            else f" ({context}; slots {slot_ids})"
-        for name, a, b in zip(OUTPUT_NAMES, got, want):
-            assert_same(name, a, b, ctx)
-        for name, a, b in zip(STATE_NAMES, self.state(), self.ref):
-            assert_same(name, a, b, ctx)
-        if check_bytes:
-            locations, miss_src, miss_dst, miss_count, _ = got
-            if copy is None:
-                gather_rows(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
-            self.check_bytes(sel, slot_ids, locations, ctx)
-            self.check_cache(ctx)
-        return got
-
-    def check_bytes(self, sel, slot_ids, locations, ctx=""):
-        for n, s in enumerate(slot_ids):
-            valid = sel[n] >= 0
-            assert_same("locations of padding", locations[n][~valid],
-                        torch.full_like(locations[n][~valid], -1), ctx)
-            got = self.device_rows[locations[n][valid].long()]
-            want = self.truth(s, sel[n][valid].long())
-            assert_same(f"device bytes of batch row {n} (slot {s})", got, want, ctx)
-
-    def check_cache(self, ctx=""):
-        """Every hot slot holds the bytes of its row; hot_slot_of is its inverse."""
-        for s in range(self.S):
-            held = (self.hot_pos[s] >= 0).nonzero().flatten()
-            pos = self.hot_pos[s, held].long()
-            assert_same(f"hot_slot_of inverse (slot {s})", self.hot_slot_of[s, pos], held.int(), ctx)
-            assert int((self.hot_slot_of[s] >= 0).sum()) == held.numel(), f"stale hot_slot_of{ctx}"
-            assert_same(f"hot bytes (slot {s})", self.device_rows[self.hot_rows[s, held].long()],
-                        self.truth(s, pos), ctx)
-            assert sorted(self.lru_order[s].tolist()) == list(range(self.B)), \
-                f"lru_order of slot {s} is not a permutation{ctx}"
+from resolve_world import DEVICE, STATE_NAMES, World, assert_same  # noqa: E402
 
 
 def test_cold_cache_all_miss():
@@ -243,7 +96,7 @@ def test_mixed_direct_hot_host_with_growing_direct_coverage():
     w.make_direct(0, [11])  # tail page
     w.make_direct(1, [0, 5, 11])
     w.warm(2, [3, 7, 8, 20, 41])
-    counts = torch.zeros(4, dtype=torch.int64)
+    counts = torch.zeros(5, dtype=torch.int64)
     for step in range(5):
         sel = w.selections([2, 0, 1], 3, 4)
         _, _, _, _, counters = w.call(sel, [2, 0, 1], context=f"step {step}")
@@ -393,7 +246,7 @@ def _good_args(w, n=2, queries=2, top_k=4):
     return dict(selections=sel, slot_ids=torch.arange(n, dtype=torch.int32, device=DEVICE),
                 page_table=w.page_table, page_size=w.page_size, hot_pos=w.hot_pos,
                 hot_rows=w.hot_rows, lru_order=w.lru_order, hot_slot_of=w.hot_slot_of,
-                staging_rows=w.staging_rows, host_base=w.host_base)
+                staging_rows=w.staging_rows, host_base=w.host_base, num_device_rows=w.n_dev_rows)
 
 
 @pytest.mark.parametrize("name,bad,needle", [

@@ -3,7 +3,7 @@ waiting, bounded round-robin repopulation, the tail, release, optional residency
 import pytest
 import torch
 
-from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED
+from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, NUM_COUNTERS
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.invariants import check_invariants
 
@@ -55,7 +55,7 @@ def verify_backed_rows(h, req, expect, source="s"):
 def verify_resolves(h, truth, req, source="s"):
     """Resolves every row of req (k = B per query) and checks bytes; returns summed counters."""
     n = truth[req][source].shape[0]
-    total = torch.zeros(4, dtype=torch.int64)
+    total = torch.zeros(NUM_COUNTERS, dtype=torch.int64)
     pool = h.sources[source].pool
     for start in range(0, n, B):
         sel = torch.arange(start, min(start + B, n), dtype=torch.int32)

@@ -119,14 +119,14 @@ def test_direct_hot_host_paths_are_exact(setup):
     s = sel([0, 5, 12, -1])  # r_host: rows 0, 5 from host, 12 in the tail
     loc, c = h.resolve("s", ["r_host"], s)
     verify_exact(h, truth, ["r_host"], s, loc)
-    assert c[0].tolist() == [1, 0, 2, 2]  # direct, hot, host, fetched
+    assert c[0].tolist() == [1, 0, 2, 2, 0]  # direct, hot, host, fetched, repairs
     loc, c = h.resolve("s", ["r_host"], s)  # now hot hits, nothing fetched
     verify_exact(h, truth, ["r_host"], s, loc)
-    assert c[0].tolist() == [1, 2, 0, 0]
+    assert c[0].tolist() == [1, 2, 0, 0, 0]
     both = torch.tensor([[[3, 4, 6, 1]], [[0, 6, 3, -1]]], dtype=torch.int32)
     loc, c = h.resolve("s", ["r_dev", "r_host"], both)  # r_dev: pages 0, 1 optional, row 6 tail
     verify_exact(h, truth, ["r_dev", "r_host"], both, loc)
-    assert c[0].tolist() == [4, 0, 0, 0] and c[1].tolist() == [0, 1, 2, 2]
+    assert c[0].tolist() == [4, 0, 0, 0, 0] and c[1].tolist() == [0, 1, 2, 2, 0]
     check_invariants(h, truth)
 
 

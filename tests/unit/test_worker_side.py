@@ -108,6 +108,7 @@ def test_collector_totals_equal_summary_totals():
         verify_host_selections=sum(t.verify_host_selections for t in per_source),
         verify_rows_fetched=sum(t.verify_fetched for t in per_source),
         resolve_calls=sum(t.calls for t in per_source),
+        state_repairs=sum(t.state_repairs for t in per_source),
         admissions=2, admissions_waited=0)  # "b" after its last prefill chunk
     totals = w.summary()["totals"]
     counters, gauges = StatsCollector.cumulative(w)

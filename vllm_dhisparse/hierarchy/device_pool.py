@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .devices import canonical_device
+
 
 class DevicePagePool:
     def __init__(self, *, name: str, num_pages: int, page_size: int, row_bytes: int,
@@ -32,7 +34,7 @@ class DevicePagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.row_bytes = row_bytes
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.num_rows = num_pages * page_size
         self.storage = torch.zeros(self.num_rows * row_bytes, dtype=torch.uint8, device=self.device)
         # (first byte of the segment inside a logical row, plane [num_rows, seg_bytes])

@@ -15,8 +15,9 @@ import torch
 
 from vllm_dhisparse.triton_kernels import reference
 from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
-                                      COUNTER_HOT, NUM_COUNTERS)
+                                                     COUNTER_HOT, COUNTER_REPAIRS, NUM_COUNTERS)
 
+from .devices import same_device
 from .source_state import SourceState
 
 BACKENDS = ("auto", "triton", "reference")
@@ -52,6 +53,8 @@ class ResolverTotals:
     # multi-query (K > 1) calls only: selections served from host vs rows copied
     verify_host_selections: int = 0
     verify_fetched: int = 0
+    # out-of-range table entries the resolver degraded to empty (0 unless state was corrupt)
+    state_repairs: int = 0
 
 
 class Resolver:
@@ -97,7 +100,7 @@ class Resolver:
                              f"{getattr(selections, 'dtype', type(selections))}")
         if selections.dim() != 3:
             raise ValueError(f"selections must be [N, K, k], got shape {tuple(selections.shape)}")
-        if selections.device != src.device:
+        if not same_device(selections.device, src.device):
             raise ValueError(f"selections on {selections.device}, source {src.name!r} on {src.device}")
         n, _, top_k = selections.shape
         if n != len(req_ids):
@@ -128,7 +131,7 @@ class Resolver:
 
     def resolve(self, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):
-        """Returns ``(locations [N, K, k] int32, counters [N, 4] int32)``.
+        """Returns ``(locations [N, K, k] int32, counters [N, 5] int32)``.
 
         Rows at the returned locations equal the requests' original rows (eq. 12)
         as soon as this returns (stream-ordered on CUDA).
@@ -147,13 +150,16 @@ class Resolver:
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
                 src.lru_order, src.hot_slot_of, staging_rows, src.host_base)
+        rows = self.planes[0][1].shape[0]
         if self.backend == "triton" and len(self.planes) == 1:
             # one plane: the resolve launch copies the misses itself (fused when K*k is
             # small, else it launches the gather)
             locations, _, _, _, counters = self._resolve(
-                *args, host_rows=self.host_rows, device_rows=self.planes[0][1])
+                *args, host_rows=self.host_rows, device_rows=self.planes[0][1],
+                num_device_rows=rows)
         else:
-            locations, miss_src, miss_dst, miss_count, counters = self._resolve(*args)
+            locations, miss_src, miss_dst, miss_count, counters = self._resolve(
+                *args, num_device_rows=rows)
             for start, plane in self.planes:  # one gather per plane; host rows are whole
                 self._gather(self.host_rows[:, start:start + plane.shape[1]], plane,
                              miss_src, miss_dst, miss_count)
@@ -171,4 +177,4 @@ class Resolver:
             calls=self._calls, selections=t[COUNTER_DIRECT] + t[COUNTER_HOT] + t[COUNTER_HOST],
             direct=t[COUNTER_DIRECT], hot=t[COUNTER_HOT], host=t[COUNTER_HOST],
             fetched=t[COUNTER_FETCHED], bytes_fetched=t[COUNTER_FETCHED] * self.source.row_bytes,
-            verify_host_selections=v[0], verify_fetched=v[1])
+            verify_host_selections=v[0], verify_fetched=v[1], state_repairs=t[COUNTER_REPAIRS])

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .devices import canonical_device
+
 
 class SourceState:
     def __init__(self, *, name: str, row_bytes: int, page_size: int, max_slots: int,
@@ -42,7 +44,7 @@ class SourceState:
         self.max_rows = max_rows
         self.budget = hot_rows_per_slot
         self.max_pages = -(-max_rows // page_size)
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         i32 = dict(dtype=torch.int32, device=self.device)
         self.page_table = torch.full((max_slots, self.max_pages), -1, **i32)
         self.hot_pos = torch.full((max_slots, self.budget), -1, **i32)

@@ -79,6 +79,8 @@ METRICS: tuple[MetricDef, ...] = (
     _c("verify_rows_fetched", "Distinct rows fetched in multi-query (verification) resolves; "
                               "verify_host_selections / verify_rows_fetched = shared retrieval."),
     _c("resolve_calls", "Resolver calls (one per sparse layer per step with admitted requests)."),
+    _c("state_repairs", "Out-of-range resolver table entries degraded to empty (rows re-fetched "
+                        "from host); 0 unless a table was corrupted."),
     # -- residency events (counters) --
     _c("reclaim_events", "Admissions that reclaimed the optional history of at least one "
                          "request (eq. 4)."),
@@ -115,7 +117,7 @@ SUMMARY_TOTALS = {
     "selected_rows_direct": "direct", "selected_rows_hot": "hot", "selected_rows_host": "host",
     "rows_fetched": "fetched", "host_to_device_bytes": "bytes_fetched",
     "verify_host_selections": "verify_host_selections", "verify_rows_fetched": "verify_fetched",
-    "resolve_calls": "resolve_calls", "admissions": "admissions",
+    "resolve_calls": "resolve_calls", "state_repairs": "state_repairs", "admissions": "admissions",
     "admissions_waited": "admissions_waited",
 }
 COUNTERS = tuple(m for m in METRICS if m.kind == "counter")

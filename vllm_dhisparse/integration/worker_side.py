@@ -351,11 +351,12 @@ class WorkerSide:
         """Counters summed over sources (this step's rows count as direct: they are tail rows)."""
         st = self.hierarchy.stats()
         tot = dict(selected=0, direct=self.fresh_selections, hot=0, host=0, fetched=0,
-                   bytes_fetched=0, verify_host_selections=0, verify_fetched=0, resolve_calls=0)
+                   bytes_fetched=0, verify_host_selections=0, verify_fetched=0, resolve_calls=0,
+                   state_repairs=0)
         for src in st["sources"].values():
             r = src["resolver"]
             for key in ("direct", "hot", "host", "fetched", "bytes_fetched",
-                        "verify_host_selections", "verify_fetched"):
+                        "verify_host_selections", "verify_fetched", "state_repairs"):
                 tot[key] += r[key]
             tot["resolve_calls"] += r["calls"]
         tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]

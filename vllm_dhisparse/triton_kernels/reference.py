@@ -7,7 +7,9 @@ requests (the batch dimension) but are vectorised within a request.
 Resolution contract (paper eq. 2, 6, 12), for one KV source:
 
 * ``selections[n, j, i]`` is the i-th selected request-local row of query j of
-  batch row n (-1 = padding).  ``slot_ids[n]`` names the request slot.
+  batch row n; negative or ``>= P`` (P = ``hot_slot_of.shape[1]``) is padding.
+  ``slot_ids[n]`` names the request slot; -1 marks a padding row (CUDA-graph
+  padding): every location is -1, counters are 0 and no state is touched.
 * Lookup order per selection: direct map (tail + ready optional history,
   ``page_table``) -> hot cache (``hot_slot_of``) -> host.
 * The union of a request's K queries is resolved once (eq. 6): each distinct
@@ -24,19 +26,43 @@ Resolution contract (paper eq. 2, 6, 12), for one KV source:
 * Output ``locations[n, j, i]`` is a device row such that
   ``device_rows[locations] == original row selections[n, j, i]`` (eq. 12)
   once the gather of the returned miss list completed; -1 for padding.
+
+Bounds safety.  Every index read from the four state tables is range-checked
+before it is used; an entry out of range degrades to "empty" (the row is
+fetched from host, which holds every row the hot cache or an optional page
+could hold) and is counted in ``counters[n, COUNTER_REPAIRS]``.  Nothing is
+ever read or written outside the slot's own table rows and rows.  Per batch
+row with slot s, B hot slots, P positions and R device rows:
+
+* ``slot_ids[n]`` outside ``[-1, S)``: a padding row, one repair.
+* ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1).
+* ``lru_order[s, b]`` outside ``[0, B)``: the call uses the identity order
+  ``0..B-1`` instead (recency is forgotten, contents stay).
+* ``page_table[s, p]`` outside ``{-1} ∪ [0, R - page_size]``: the page is
+  treated as not ready in this call (the table is only read here; its owner
+  republishes it).  Counted once per selection that reads it.
+* ``hot_slot_of[s, pos]`` other than -1 that is not a consistent hit
+  (``0 <= v < B`` and ``hot_pos[s, v] == pos``): the row is a miss and the
+  entry is reset.  Counted once per non-direct selection that reads it.
+* A filled slot unlinks its old row only where ``hot_slot_of`` points back.
+
+``hot_rows``, ``staging_rows`` and ``host_base`` are the slot's placement,
+written once at admission from the allocators, and trusted.  An in-range but
+duplicated ``lru_order`` entry is not detected: only the resolver and the slot
+reset write that table.
 """
 from __future__ import annotations
 
 import torch
 
 # Columns of the per-row counter tensor returned by the resolver.
-COUNTER_DIRECT, COUNTER_HOT, COUNTER_HOST, COUNTER_FETCHED = range(4)
-NUM_COUNTERS = 4
+COUNTER_DIRECT, COUNTER_HOT, COUNTER_HOST, COUNTER_FETCHED, COUNTER_REPAIRS = range(5)
+NUM_COUNTERS = 5
 
 
 def resolve_reference(
     selections: torch.Tensor,  # [N, K, k] int32, request-local rows, -1 pad
-    slot_ids: torch.Tensor,  # [N] int32 request slot of each batch row
+    slot_ids: torch.Tensor,  # [N] int32 request slot of each batch row, -1 = padding row
     page_table: torch.Tensor,  # [S, max_pages] int32 device row of page start, -1 = not ready
     page_size: int,
     hot_pos: torch.Tensor,  # [S, B] int32 row held by each hot slot, -1 = empty (updated)
@@ -45,6 +71,8 @@ def resolve_reference(
     hot_slot_of: torch.Tensor,  # [S, P] int32 row -> hot slot, -1 = absent (updated)
     staging_rows: torch.Tensor,  # [N, C] int32 device rows for overflow misses
     host_base: torch.Tensor,  # [S] int64 host row of each slot's row 0
+    *,
+    num_device_rows: int,  # R: rows of the device pool (bounds of page_table entries)
 ):
     """Returns ``(locations, miss_src, miss_dst, miss_count, counters)``.
 
@@ -52,41 +80,64 @@ def resolve_reference(
     miss_src   [N, K*k]  int64   host rows to copy (first miss_count[n] valid)
     miss_dst   [N, K*k]  int32   device rows they go to
     miss_count [N]       int32
-    counters   [N, 4]    int32   direct / hot / host selections, distinct fetched
+    counters   [N, 5]    int32   direct / hot / host selections, distinct fetched, repairs
     """
     n_batch, n_queries, top_k = selections.shape
     dev = selections.device
-    budget = hot_pos.shape[1]
+    n_slots, budget = hot_pos.shape
+    max_pos = hot_slot_of.shape[1]
+    max_pages = page_table.shape[1]
     width = n_queries * top_k
     locations = torch.full_like(selections, -1)
     miss_src = torch.zeros(n_batch, width, dtype=torch.int64, device=dev)
     miss_dst = torch.full((n_batch, width), -1, dtype=torch.int32, device=dev)
     miss_count = torch.zeros(n_batch, dtype=torch.int32, device=dev)
     counters = torch.zeros(n_batch, NUM_COUNTERS, dtype=torch.int32, device=dev)
+    arange_b = torch.arange(budget, device=dev)
 
     for n in range(n_batch):
         slot = int(slot_ids[n])
+        if not 0 <= slot < n_slots:  # padding row
+            counters[n, COUNTER_REPAIRS] = int(slot != -1)
+            continue
+        # 0. the slot's hot-cache tables: out-of-range entries degrade to empty
+        order = lru_order[slot].long()
+        lru_bad = (order < 0) | (order >= budget)
+        hp_bad = (hot_pos[slot] < -1) | (hot_pos[slot] >= max_pos)
+        repairs = int(lru_bad.sum()) + int(hp_bad.sum())
+        if bool(lru_bad.any()):
+            order = arange_b.clone()
+        hot_pos[slot, hp_bad] = -1
+
         sel = selections[n].reshape(-1).long()  # [K*k]
-        valid = sel >= 0
-        pos = sel.clamp(min=0)
+        valid = (sel >= 0) & (sel < max_pos)
+        pos = torch.where(valid, sel, 0)
         loc = torch.full((width,), -1, dtype=torch.int64, device=dev)
 
         # 1. direct: tail and ready optional-history pages
-        page_base = page_table[slot, pos // page_size].long()
-        direct = valid & (page_base >= 0)
+        page = pos // page_size
+        in_table = page < max_pages
+        page_base = torch.where(in_table, page_table[slot, page.clamp(max=max_pages - 1)].long(), -1)
+        pt_bad = valid & ((page_base < -1) | (page_base > num_device_rows - page_size))
+        direct = valid & (page_base >= 0) & ~pt_bad
         loc[direct] = page_base[direct] + pos[direct] % page_size
 
-        # 2. hot cache
-        hot_slot = hot_slot_of[slot, pos].long()
-        hot = valid & ~direct & (hot_slot >= 0)
-        loc[hot] = hot_rows[slot, hot_slot[hot]].long()
+        # 2. hot cache: a hit needs the slot to point back at the row
+        v = hot_slot_of[slot, pos].long()
+        v_in = (v >= 0) & (v < budget)
+        held = hot_pos[slot, v.clamp(0, max(budget - 1, 0))].long() if budget else v
+        nondirect = valid & ~direct
+        hot = nondirect & v_in & (held == pos)
+        hso_bad = nondirect & (v != -1) & ~hot
+        repairs += int(pt_bad.sum()) + int(hso_bad.sum())
+        loc[hot] = hot_rows[slot, v[hot]].long()
         touched = torch.zeros(budget, dtype=torch.bool, device=dev)
-        touched[hot_slot[hot]] = True
+        touched[v[hot]] = True
 
         # 3. distinct misses, ascending position, take untouched LRU victims
-        host = valid & ~direct & ~hot
+        host = nondirect & ~hot
+        hot_slot_of[slot, pos[host & (v != -1)]] = -1
         missing = torch.unique(pos[host])  # sorted ascending
-        order = lru_order[slot].long()
         victims = order[~touched[order]]
         n_hot_fill = min(missing.numel(), victims.numel())
         n_stage = missing.numel() - n_hot_fill
@@ -97,7 +148,9 @@ def resolve_reference(
         fill_slots = victims[:n_hot_fill]
         fill_pos = missing[:n_hot_fill]
         old_pos = hot_pos[slot, fill_slots].long()
-        hot_slot_of[slot, old_pos[old_pos >= 0]] = -1
+        linked = old_pos >= 0
+        linked[linked.clone()] = hot_slot_of[slot, old_pos[linked]].long() == fill_slots[linked]
+        hot_slot_of[slot, old_pos[linked]] = -1
         hot_pos[slot, fill_slots] = fill_pos.to(hot_pos.dtype)
         hot_slot_of[slot, fill_pos] = fill_slots.to(hot_slot_of.dtype)
         touched[fill_slots] = True
@@ -116,6 +169,7 @@ def resolve_reference(
         counters[n, COUNTER_HOT] = int(hot.sum())
         counters[n, COUNTER_HOST] = int(host.sum())
         counters[n, COUNTER_FETCHED] = n_miss
+        counters[n, COUNTER_REPAIRS] = repairs
         locations[n] = loc.view(n_queries, top_k).to(locations.dtype)
     return locations, miss_src, miss_dst, miss_count, counters
 

@@ -8,15 +8,17 @@ No whole-block sort and no pass over the hot cache unless it is needed.  Phases 
 program (batch row n, request slot s), separated by CTA barriers; the passes
 after phase 1 run only when their counts are non-zero:
 
-  1. per selection (chunks of BLOCK_W): direct page? -> loc;  else
-     ``hot_slot_of`` hit -> loc = hot_rows[slot], and the slot is marked
-     touched in place with hot_pos[slot] = -2 - pos: a plain store when the
-     whole hot cache is one block (phase 3 then counts the marks; duplicates
-     store the same value), else ``atomic_xchg`` (its old value counts the
-     distinct touched slots without a pass over B);  else host:
-     ``atomic_min(hot_slot_of[pos], CLAIM + j)`` (entries of missing rows are
-     -1, claims are < -1; the smallest j wins).  The four counts share one
-     reduction.  All direct -> done (no LRU change, no miss).
+  0. the slot's lru_order and hot_pos rows are range-checked (loaded while phase 1
+     waits on its own loads); out-of-range entries are repaired in 1b.
+  1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
+     -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
+     -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
+  1b. after a barrier (every lookup has read the entry state): hits mark their
+     slot in place with hot_pos[slot] = -2 - pos (a plain store when the whole
+     hot cache is one block, phase 3 then counts the marks; else ``atomic_xchg``,
+     whose old value counts the distinct touched slots); misses claim their row
+     with ``atomic_min(hot_slot_of[pos], CLAIM + j)`` after resetting an entry
+     below -1.  All direct -> done (no LRU change, no miss).
   2. (misses) per host selection j: owner = the claim left is j's own; the
      owners' positions (the distinct misses) are compacted into mpos by a
      running cumsum, sorted ascending (the spec's host-address order) with a
@@ -26,11 +28,11 @@ after phase 1 run only when their counts are non-zero:
   3. (hits or misses) one pass over lru_order: touched = hot_pos < -1;
      a running cumsum of untouched slots gives the i-th untouched slot (victim
      of rank i < n_fill) and the stable-partition position of every slot.
-     Hits get their hot_pos back, fills unlink their old row, take the new one
-     (hot_pos / hot_slot_of), write miss_dst[r] = hot_rows[victim] and the
-     owner's location; overflow ranks take staging rows.  When B fits one
-     block the new order is written in place after a barrier, else through
-     scratch and copied back.
+     Hits get their hot_pos back, fills unlink their old row (where it points
+     back), take the new one (hot_pos / hot_slot_of), write miss_dst[r] =
+     hot_rows[victim] and the owner's location; overflow ranks take staging
+     rows.  When B fits one block the new order is written in place after a
+     barrier, else through scratch and copied back.
   4. only when a missing row was selected more than once (host selections >
      distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
      the filled slot, else the rank code of a staged row;
@@ -38,11 +40,11 @@ after phase 1 run only when their counts are non-zero:
      misses from pinned host memory, the words of consecutive rows side by side.
 
 Requests in a batch must have distinct slots (the programs update per-slot state
-without synchronisation).  Selections are padding when negative and must
-otherwise be < P = hot_slot_of.shape[1]; larger positions never touch memory out
-of bounds, but their result is undefined (the reference raises IndexError).
-The state must be consistent (hot_slot_of[hot_pos[b]] == b for held slots,
--1 for rows not held), which every call preserves.
+without synchronisation); slot -1 is a padding row.  Bounds: every index read
+from page_table, hot_slot_of, hot_pos and lru_order is range-checked as the
+reference specifies (out-of-range entries degrade to empty and are counted in
+column 4 of the counters); selections outside [0, P) are padding.  No state of
+the call's entry can make a program read or write outside its slot's table rows.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused
 _COPY_ELEMS = 4096  # words in flight per step of the fused copy
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MARK_STORE = True  # in-place LRU modes: hits mark their slot with a store (no atomic)
-_SKIP = 0  # profiling only (tune_resolve.py): phases to leave out, see the kernel
+_MAX_BUDGET = 2**16 - 1  # B: the entry-state check counts bad entries in 16-bit fields
 
 
 def _num_warps(sort_max: int) -> int:
@@ -119,6 +121,90 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 
 @triton.jit
+def _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B: tl.constexpr):
+    """Out-of-range entries of the slot's lru_order (low 16 bits) and hot_pos (high)."""
+    offs = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([BLOCK_B], tl.int32)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + offs
+        mb = real & (b < B)
+        order = tl.load(lru_row + b, mask=mb, other=0)
+        hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
+        acc += (mb & ((order < 0) | (order >= B))).to(tl.int32)
+        acc += (mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32) << 16
+    return tl.sum(acc)
+
+
+@triton.jit
+def _empty_bad_slots(hot_pos_row, B, max_pos, BLOCK_B: tl.constexpr):
+    """hot_pos entries outside [-1, P) become -1 (empty)."""
+    offs = tl.arange(0, BLOCK_B)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + offs
+        hp = tl.load(hot_pos_row + b, mask=b < B, other=-1)
+        tl.store(hot_pos_row + b, tl.zeros_like(hp) - 1, mask=(b < B) & ((hp < -1) | (hp >= max_pos)))
+
+
+@triton.jit
+def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row, hot_rows_row,
+            max_pos, B, PAGE_SIZE: tl.constexpr):
+    """Phase 1 lookups of selections ``j`` on the entry state; writes nothing.
+
+    Every table entry is range-checked before it is used as an index: a page_table
+    entry outside {-1} u [0, R - PAGE_SIZE] is a page not ready, a hot_slot_of entry
+    is a hit only when it is a slot whose hot_pos points back at the row.  Returns the
+    lanes' position, hot_slot_of entry, location, key (host: pos, hit: -2 - pos,
+    else -1), hit and host masks, and the chunk's counts packed in 13-bit fields
+    (direct, hot, host, repairs)."""
+    sel = tl.load(sel_row + j, mask=m, other=-1)
+    valid = m & real & (sel >= 0) & (sel < max_pos)
+    pos = tl.where(valid, sel, 0)
+    page = pos // PAGE_SIZE
+    # hot_slot_of is read in parallel with the page table (one dependent step less)
+    pt = tl.load(pt_row + page, mask=valid & (page < max_pages), other=-1)
+    v = tl.load(hso_row + pos, mask=valid, other=-1)
+    pt_bad = valid & ((pt < -1) | (pt > pt_last))
+    direct = valid & (pt >= 0) & ~pt_bad
+    nondirect = valid & ~direct
+    v_in = nondirect & (v >= 0) & (v < B)
+    held = tl.load(hot_pos_row + v, mask=v_in, other=-1)
+    hot_row = tl.load(hot_rows_row + v, mask=v_in, other=-1)
+    hot = v_in & (held == pos)
+    host = nondirect & ~hot
+    hso_bad = nondirect & (v != -1) & ~hot
+    loc = tl.where(direct, pt + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
+    key = tl.where(host, pos, tl.where(hot, -2 - pos, -1))
+    # one reduction for four counts; a chunk holds at most BLOCK_W <= 2**12 selections
+    packed = (direct.to(tl.int64) + (hot.to(tl.int64) << 13) + (host.to(tl.int64) << 26)
+              + ((pt_bad.to(tl.int64) + hso_bad.to(tl.int64)) << 39))
+    return pos, v, loc, key, hot, host, tl.sum(packed)
+
+
+@triton.jit
+def _mark_and_claim(pos, v, hot, host, j, hot_pos_row, hso_row, CLAIM: tl.constexpr,
+                    MARK_STORE: tl.constexpr):
+    """Phase 1 writes: hits mark their slot (hot_pos = -2 - pos), misses claim their row
+    (hot_slot_of = CLAIM + j, the smallest j left wins).  An entry below -1 (corrupt,
+    or another lane's claim) is reset first: every lane that resets claims after it,
+    so the row still ends with exactly one owner.  Returns the number of slots this
+    chunk touched first (atomic marking only; 0 with MARK_STORE)."""
+    # relaxed, CTA scope: only this program touches this slot's rows, and the
+    # barriers order the phases (acq_rel serialised each thread's atomics)
+    if MARK_STORE:
+        # duplicates of a position write the same value, so a store is race-free;
+        # phase 3 sees every slot at once and counts the marks itself
+        tl.store(hot_pos_row + v, -2 - pos, mask=hot)
+        first = 0
+    else:
+        old = tl.atomic_xchg(hot_pos_row + v, -2 - pos, mask=hot, sem="relaxed", scope="cta")
+        first = tl.sum((hot & (old >= 0)).to(tl.int32))
+    tl.atomic_xchg(hso_row + pos, tl.zeros_like(pos) - 1, mask=host & (v < -1),
+                   sem="relaxed", scope="cta")
+    tl.atomic_min(hso_row + pos, CLAIM + j, mask=host, sem="relaxed", scope="cta")
+    return first
+
+
+@triton.jit
 def _lru_block(slot_b, hp, b, mb, run, n_fill, n_left, mpos_ptr, mj_ptr, hot_pos_row,
                hot_rows_row, hso_row, miss_dst_row, loc_row, max_pos):
     """Phase 3 on one block of LRU positions ``b`` (slots ``slot_b``, their hot_pos
@@ -131,10 +217,14 @@ def _lru_block(slot_b, hp, b, mb, run, n_fill, n_left, mpos_ptr, mj_ptr, hot_pos
     fill = mb & ~t & (r < n_fill)
     left = mb & ~t & (r >= n_fill)
     new_at = tl.where(left, r - n_fill, n_left + b - tl.maximum(r - n_fill, 0))
+    held = fill & (hp >= 0) & (hp < max_pos)
+    # the old row is unlinked only where it points back at this slot: a stale entry
+    # may name a row that another victim takes in this call
+    link = tl.load(hso_row + hp, mask=held, other=-1)
     new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
     owner = tl.load(mj_ptr + r, mask=fill, other=0)
     victim_row = tl.load(hot_rows_row + slot_b, mask=fill, other=-1)
-    tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=fill & (hp >= 0) & (hp < max_pos))
+    tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == slot_b))
     tl.store(hot_pos_row + slot_b, tl.where(fill, new_pos, -2 - hp), mask=fill | (mb & t))
     tl.store(hso_row + new_pos, slot_b, mask=fill)
     tl.store(miss_dst_row + r, victim_row, mask=fill)
@@ -145,8 +235,8 @@ def _lru_block(slot_b, hp, b, mb, run, n_fill, n_left, mpos_ptr, mj_ptr, hot_pos
 @triton.jit
 def _resolve_kernel(
     sel_ptr, sel_stride,  # [N, W] int32 (selections viewed as [N, K*k])
-    slot_ids_ptr,  # [N] int32
-    page_table_ptr, page_table_stride, max_pages,  # [S, max_pages] int32
+    slot_ids_ptr, n_slots,  # [N] int32, -1 = padding row
+    page_table_ptr, page_table_stride, max_pages, pt_last,  # [S, max_pages] int32, R - PAGE_SIZE
     hot_pos_ptr, hot_pos_stride,  # [S, B] int32 (updated)
     hot_rows_ptr, hot_rows_stride,  # [S, B] int32
     lru_ptr, lru_stride,  # [S, B] int32 (updated)
@@ -157,22 +247,24 @@ def _resolve_kernel(
     miss_src_ptr,  # [N, W] int64 out
     miss_dst_ptr,  # [N, W] int32 out
     miss_count_ptr,  # [N] int32 out
-    counters_ptr,  # [N, 4] int32 out
-    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX (+ B)]: host pos | miss pos | owner | order
+    counters_ptr,  # [N, 5] int32 out
+    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX (+ B)]: key | miss pos | owner | order
     copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # W <= BLOCK_W: phase 1 keeps its lookups in registers
     LRU_MODE: tl.constexpr,  # 1: B in one block, in place; 0: chunks through scratch
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
     MARK_STORE: tl.constexpr,  # LRU_MODE 1 only: hits mark with a store, phase 3 counts
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
-    SKIP: tl.constexpr,  # profiling only (wrong results): 1 no rank, 2 no LRU, 4 no loc, 8 no atomics
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ids_ptr + n).to(tl.int64)
-    key_ptr = scratch_ptr + n * scratch_stride  # [W] host pos of selection j, else -1
+    slot_id = tl.load(slot_ids_ptr + n)
+    real = (slot_id >= 0) & (slot_id < n_slots)  # else a padding row: touches no state
+    slot = tl.where(real, slot_id, 0).to(tl.int64)
+    key_ptr = scratch_ptr + n * scratch_stride  # [W] host: pos, hit: -2 - pos, else -1
     mpos_ptr = key_ptr + W  # [SORT_MAX] position of miss rank r
     mj_ptr = mpos_ptr + SORT_MAX  # [W] the selection j that owns miss rank r
     order_ptr = mj_ptr + W  # [B] new lru order (LRU_MODE 0 only)
@@ -189,72 +281,88 @@ def _resolve_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
 
-    if LRU_MODE == 1:  # the whole lru_order row, loaded while phase 1 waits on its own loads
-        lru_all = tl.load(lru_row + offs_b, mask=offs_b < B, other=0)
+    # 0. entry state of the slot's hot cache, loaded while phase 1 waits on its own loads
+    if LRU_MODE == 1:
+        mb_all = real & (offs_b < B)
+        lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
+        hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
+        hp_bad_all = mb_all & ((hp_all < -1) | (hp_all >= max_pos))
+        state = tl.sum((mb_all & ((lru_all < 0) | (lru_all >= B))).to(tl.int32)
+                       + (hp_bad_all.to(tl.int32) << 16))
+    else:
+        state = _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B)
 
-    # 1. direct -> hot -> host classification; hits mark their slot, misses claim their row
+    # 1a. lookups on the entry state: direct -> hot -> host (no writes yet)
     n_direct = 0
     n_hot = 0
     n_host = 0
-    n_touch = 0  # distinct hot slots hit (atomic marking only)
-    for w0 in range(0, W, BLOCK_W):
-        j = w0 + offs_w
+    repairs = (slot_id != -1) & ~real
+    repairs = repairs.to(tl.int32)
+    if ONE_CHUNK:
+        j = offs_w
         m = j < W
-        sel = tl.load(sel_row + j, mask=m, other=-1)
-        valid = sel >= 0
-        pos = tl.maximum(sel, 0)
-        page = pos // PAGE_SIZE
-        page_base = tl.load(pt_row + page, mask=valid & (page < max_pages), other=-1)
-        # hot_slot_of is read in parallel with the page table (one dependent step less)
-        hot_slot = tl.load(hso_row + pos, mask=valid & (pos < max_pos), other=-1)
-        direct = valid & (page_base >= 0)
-        hot = valid & ~direct & (hot_slot >= 0)
-        hot_row = tl.load(hot_rows_row + hot_slot, mask=hot, other=-1)
-        host = valid & ~direct & ~hot
-        loc = tl.where(direct, page_base + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
+        pos, v, loc, key, hot, host, packed = _lookup(
+            sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
+            hot_rows_row, max_pos, B, PAGE_SIZE)
         tl.store(loc_row + j, loc, mask=m)
-        tl.store(key_ptr + j, tl.where(host, pos, -1), mask=m)
-        if SKIP & 8:
-            old = tl.zeros([BLOCK_W], tl.int32)
-        else:
-            # relaxed, CTA scope: only this program touches this slot's rows, and the
-            # barriers order the phases (acq_rel, the default, serialised each
-            # thread's atomics: 9.5 us of phase 1's 17.7 at batch 8)
-            if MARK_STORE:
-                # duplicates of a position write the same value, so a store is race-free;
-                # phase 3 sees every slot at once and counts the marks itself
-                tl.store(hot_pos_row + hot_slot, -2 - pos, mask=hot)
-                old = tl.full([BLOCK_W], -1, tl.int32)
-            else:
-                old = tl.atomic_xchg(hot_pos_row + hot_slot, -2 - pos, mask=hot,
-                                     sem="relaxed", scope="cta")
-            tl.atomic_min(hso_row + pos, CLAIM + j, mask=host & (pos < max_pos),
-                          sem="relaxed", scope="cta")
-        # four counts in one reduction (one CTA barrier, not four): 16-bit fields,
-        # a chunk holds at most BLOCK_W <= 2**15 selections
-        packed = (direct.to(tl.int64) + (hot.to(tl.int64) << 16) + (host.to(tl.int64) << 32)
-                  + ((hot & (old >= 0)).to(tl.int64) << 48))
-        total = tl.sum(packed)
-        n_direct += (total & 0xFFFF).to(tl.int32)
-        n_hot += ((total >> 16) & 0xFFFF).to(tl.int32)
-        n_host += ((total >> 32) & 0xFFFF).to(tl.int32)
-        n_touch += ((total >> 48) & 0xFFFF).to(tl.int32)
+        tl.store(key_ptr + j, key, mask=m)
+        n_direct += (packed & 0x1FFF).to(tl.int32)
+        n_hot += ((packed >> 13) & 0x1FFF).to(tl.int32)
+        n_host += ((packed >> 26) & 0x1FFF).to(tl.int32)
+        repairs += (packed >> 39).to(tl.int32)
+    else:
+        for w0 in range(0, W, BLOCK_W):
+            jc = w0 + offs_w
+            mc = jc < W
+            _, _, lc, kc, _, _, pc = _lookup(
+                sel_row, jc, mc, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
+                hot_rows_row, max_pos, B, PAGE_SIZE)
+            tl.store(loc_row + jc, lc, mask=mc)
+            tl.store(key_ptr + jc, kc, mask=mc)
+            n_direct += (pc & 0x1FFF).to(tl.int32)
+            n_hot += ((pc >> 13) & 0x1FFF).to(tl.int32)
+            n_host += ((pc >> 26) & 0x1FFF).to(tl.int32)
+            repairs += (pc >> 39).to(tl.int32)
+    n_lru_bad = state & 0xFFFF
+    n_hp_bad = state >> 16
+    repairs += n_lru_bad + n_hp_bad
+    tl.debug_barrier()  # every lookup read the entry state before any lane writes it
+
+    # 1b. repairs of the slot's tables, then hits mark their slot, misses claim their row
+    if LRU_MODE == 1:
+        tl.store(hot_pos_row + offs_b, tl.zeros_like(hp_all) - 1, mask=hp_bad_all)
+        if n_lru_bad > 0:  # recency forgotten, contents kept
+            lru_all = offs_b
+    else:
+        if n_hp_bad > 0:
+            _empty_bad_slots(hot_pos_row, B, max_pos, BLOCK_B)
+    n_touch = 0  # distinct hot slots hit (atomic marking only)
+    if ONE_CHUNK:
+        n_touch += _mark_and_claim(pos, v, hot, host, j, hot_pos_row, hso_row, CLAIM, MARK_STORE)
+    else:
+        for w0 in range(0, W, BLOCK_W):
+            jc = w0 + offs_w
+            kc = tl.load(key_ptr + jc, mask=jc < W, other=-1)
+            hostc = kc >= 0
+            hotc = kc <= -2
+            posc = tl.where(hostc, kc, tl.where(hotc, -2 - kc, 0))
+            # a hit's entry is stable; a miss's is the entry value or an earlier claim
+            vc = tl.load(hso_row + posc, mask=hostc | hotc, other=-1)
+            n_touch += _mark_and_claim(posc, vc, hotc, hostc, jc, hot_pos_row, hso_row, CLAIM,
+                                       MARK_STORE)
     tl.debug_barrier()
 
-    # 2. distinct misses: owners (smallest j) are compacted, the few distinct
-    #    positions sorted (ascending = host-address order), ranks scattered back
+    # 2. distinct misses: owners are compacted, the few distinct positions sorted
+    #    (ascending = host-address order), ranks scattered back
     n_miss = 0
     base = tl.load(host_base_ptr + slot)
-    h2 = n_host
-    if SKIP & 1:
-        h2 = 0
-    if h2 > 0:
+    if n_host > 0:
         for w0 in range(0, W, BLOCK_W):
-            j = w0 + offs_w
-            kp = tl.load(key_ptr + j, mask=j < W, other=-1)
-            host = (kp >= 0) & (kp < max_pos)
-            claim = tl.load(hso_row + kp, mask=host, other=0)
-            own = host & (claim == CLAIM + j)
+            j2 = w0 + offs_w
+            kp = tl.load(key_ptr + j2, mask=j2 < W, other=-1)
+            h2 = kp >= 0
+            claim = tl.load(hso_row + kp, mask=h2, other=0)
+            own = h2 & (claim == CLAIM + j2)
             o = own.to(tl.int32)
             tl.store(mpos_ptr + n_miss + tl.cumsum(o, 0) - o, kp, mask=own)
             n_miss += tl.sum(o)
@@ -279,10 +387,7 @@ def _resolve_kernel(
     # 3. victims (i-th untouched in LRU order <- i-th miss) + stable partition; each
     #    filled rank's owner gets its location here, duplicates in phase 4
     n_fill = 0
-    c3 = n_hot + n_miss  # n_hot > 0 iff a slot was touched
-    if SKIP & 2:
-        c3 = 0
-    if c3 > 0:
+    if n_hot + n_miss > 0:  # n_hot > 0 iff a slot was touched
         if LRU_MODE == 1:
             mb = offs_b < B
             hp = tl.load(hot_pos_row + lru_all, mask=mb, other=-1)
@@ -299,11 +404,13 @@ def _resolve_kernel(
             n_untouched = B - n_touch
             n_fill = tl.minimum(n_miss, n_untouched)
             n_left = n_untouched - n_fill  # untouched after the fills: front of new order
+            identity = n_lru_bad > 0
             run = 0
             for b0 in range(0, B, BLOCK_B):
                 b = b0 + offs_b
                 mb = b < B
                 slot_b = tl.load(lru_row + b, mask=mb, other=0)
+                slot_b = tl.where(identity, b, slot_b)
                 hp = tl.load(hot_pos_row + slot_b, mask=mb, other=-1)
                 new_at, cnt = _lru_block(slot_b, hp, b, mb, run, n_fill, n_left,
                                          mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, hso_row,
@@ -324,22 +431,19 @@ def _resolve_kernel(
             tl.store(loc_row + owner, stage, mask=ms)
         tl.debug_barrier()
 
-    # 4. only when a missing row was selected more than once (or a position was out
-    #    of range): every host selection reads its row's destination
-    h4 = n_host - n_miss
-    if SKIP & 4:
-        h4 = 0
-    if h4 > 0:
+    # 4. only when a missing row was selected more than once: every host selection
+    #    reads its row's destination
+    if n_host > n_miss:
         for w0 in range(0, W, BLOCK_W):
-            j = w0 + offs_w
-            kp = tl.load(key_ptr + j, mask=j < W, other=-1)
-            host = (kp >= 0) & (kp < max_pos)
-            code = tl.load(hso_row + kp, mask=host, other=-1)
-            filled = host & (code >= 0)
-            staged = host & (code < -1)
+            j4 = w0 + offs_w
+            kp = tl.load(key_ptr + j4, mask=j4 < W, other=-1)
+            h4 = kp >= 0
+            code = tl.load(hso_row + kp, mask=h4, other=-1)
+            filled = h4 & (code >= 0)
+            staged = h4 & (code < -1)
             hot_row = tl.load(hot_rows_row + code, mask=filled, other=-1)
             stage_row = tl.load(staging_row + (-2 - code - n_fill), mask=staged, other=-1)
-            tl.store(loc_row + j, tl.where(filled, hot_row, stage_row), mask=host)
+            tl.store(loc_row + j4, tl.where(filled, hot_row, stage_row), mask=h4)
         tl.debug_barrier()
     # 5. staged rows do not enter the hot cache
     for r0 in range(n_fill, n_miss, BLOCK_W):
@@ -362,15 +466,16 @@ def _resolve_kernel(
                 c = e - r * ROW_ELEMS
                 src = tl.load(miss_src_row + r, mask=me, other=0)
                 dst = tl.load(miss_dst_row + r, mask=me, other=0).to(tl.int64)
-                v = tl.load(copy_src_ptr + src * SRC_STRIDE + c, mask=me)
-                tl.store(copy_dst_ptr + dst * DST_STRIDE + c, v, mask=me)
+                val = tl.load(copy_src_ptr + src * SRC_STRIDE + c, mask=me)
+                tl.store(copy_dst_ptr + dst * DST_STRIDE + c, val, mask=me)
 
     tl.store(miss_count_ptr + n, n_miss)
-    counters_row = counters_ptr + n * 4
+    counters_row = counters_ptr + n * 5
     tl.store(counters_row + 0, n_direct)
     tl.store(counters_row + 1, n_hot)
     tl.store(counters_row + 2, n_host)
     tl.store(counters_row + 3, n_miss)
+    tl.store(counters_row + 4, repairs)
 
 
 def _interpreting() -> bool:
@@ -422,8 +527,11 @@ def fuses_copy(width: int, fused_copy=None) -> bool:
 
 def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_order,
             hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
-            fused_copy=None):
+            fused_copy=None, *, num_device_rows=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
+
+    ``num_device_rows`` (R, the bound of page_table entries) defaults to
+    ``device_rows.shape[0]`` when the rows are given; one of the two is required.
 
     With ``host_rows`` and ``device_rows`` it also copies the misses (what
     ``gather_rows`` of the returned miss list would do, byte for byte): inside
@@ -434,7 +542,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     launch and its latency dominate), else gathers with its wider grid.
 
     Returns ``(locations [N,K,k] i32, miss_src [N,K*k] i64, miss_dst [N,K*k] i32,
-    miss_count [N] i32, counters [N,4] i32)``; updates hot_pos, lru_order and
+    miss_count [N] i32, counters [N,5] i32)``; updates hot_pos, lru_order and
     hot_slot_of of the slots in ``slot_ids`` in place.  ``slot_ids`` must be
     distinct.  ``staging_rows`` may have more than N rows (an arena sized for the
     largest batch); ``staging_rows.shape[1] >= K*k - B`` (the worst case) is
@@ -473,6 +581,17 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
         raise ValueError(f"hot_slot_of.shape[1] must be < {_INT32_MAX}, got {hot_slot_of.shape[1]}")
     if width >= _MAX_WIDTH:
         raise ValueError(f"selections: K*k = {width} must be < {_MAX_WIDTH}")
+    if budget > _MAX_BUDGET:
+        raise ValueError(f"hot_pos: B = {budget} hot slots per request must be <= {_MAX_BUDGET}")
+    if num_device_rows is None:
+        if device_rows is None:
+            raise ValueError("num_device_rows (rows of the device pool, the bound of page_table "
+                             "entries) is required when device_rows is not given")
+        num_device_rows = device_rows.shape[0]
+    if isinstance(num_device_rows, bool) or not isinstance(num_device_rows, numbers.Integral) \
+            or not 0 <= num_device_rows <= _INT32_MAX:
+        raise ValueError(f"num_device_rows must be an int in [0, {_INT32_MAX}], "
+                         f"got {num_device_rows!r}")
     need = max(0, width - budget)
     if staging_rows.shape[1] < need:
         raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {budget} = "
@@ -520,8 +639,9 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
-            slot_ids,
+            slot_ids, n_slots,
             page_table, page_table.stride(0), page_table.shape[1],
+            max(int(num_device_rows) - int(page_size), -1),
             hot_pos, hot_pos.stride(0),
             hot_rows, hot_rows.stride(0),
             lru_order, lru_order.stride(0),
@@ -535,12 +655,12 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
             BLOCK_B=block_b,
+            ONE_CHUNK=width <= block_w,
             LRU_MODE=lru_mode,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             MARK_STORE=lru_mode > 0 and _MARK_STORE,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
-            SKIP=_SKIP,
             num_warps=warps,
             num_stages=1,
         )

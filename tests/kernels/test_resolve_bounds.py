@@ -1,0 +1,199 @@
+"""The resolver under corrupted state: every out-of-range or negative entry of one
+request's tables (page_table, hot_slot_of, hot_pos, lru_order) and bad slot ids.
+
+For each corruption, one request among three is corrupted and the same selections
+run on a clean copy of the world: the kernel and the reference agree bit for bit
+(``World.call``), the other requests' outputs, bytes and table rows equal the clean
+run's, the corrupted request is exact after its rows are re-fetched, its locations
+stay inside its own rows, ``counters[:, COUNTER_REPAIRS]`` says how many entries
+were repaired, and guard rows around every table and the device pool are untouched.
+"""
+import importlib
+
+import pytest
+import torch
+
+from vllm_dhisparse.triton_kernels import gather_rows
+from vllm_dhisparse.triton_kernels.reference import COUNTER_REPAIRS
+
+from resolve_world import DEVICE, STATE_NAMES, GuardedWorld, assert_same  # noqa: E402
+
+SLOTS = [2, 0, 3]  # batch rows; slot 1 is idle, slot 0 (batch row 1) gets corrupted
+BAD_ROW, BAD_SLOT = 1, 0
+I32_MIN, I32_MAX = -2**31, 2**31 - 1
+OUTPUTS = ("locations", "miss_src", "miss_dst", "miss_count", "counters")
+
+
+def make_world():
+    w = GuardedWorld(slots=4, budget=8, positions=48, page_size=4, width=12, batch=3,
+                     row_bytes=12, seed=7)
+    w.make_direct(2, [1, 6])
+    w.make_direct(3, [0])
+    w.warm(BAD_SLOT, [1, 5, 9, 13, 20, 33])
+    w.warm(3, [2, 7])
+    return w
+
+
+def selections(w, seed, bad_positions=()):
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.randint(0, w.P, (len(SLOTS), 3, 4), generator=g, dtype=torch.int32)
+    sel[:, 0, 0] = -1
+    for i, p in enumerate(bad_positions):  # the corrupted request selects what was corrupted
+        sel[BAD_ROW].view(-1)[1 + i] = p
+    return sel.to(DEVICE)
+
+
+def corrupt(w, table, value):
+    """Corrupts entries of BAD_SLOT (in the kernel's state and the reference's shadow);
+    returns (positions to select, expected repairs as a function of the selections of
+    the corrupted row)."""
+    def put(index, v):
+        if table == "page_table":  # shared by both sides, read-only for the resolver
+            w.page_table[index] = v
+            return
+        i = STATE_NAMES.index(table)
+        w.state()[i][index] = v
+        if w.ref is not None:  # the shadow exists from the first call on
+            w.ref[i][index] = v
+
+    if table == "page_table":
+        w.make_direct(BAD_SLOT, [3, 10])  # optional-history pages, ready on device
+        put((BAD_SLOT, 3), value(w))
+        return [12, 14, 13], lambda s: int(((s >= 0) & (s // w.page_size == 3)).sum())
+    if table == "hot_slot_of":
+        held = [5, 20, 33]
+        for p in held + [40]:  # 40: a row that is not held at all
+            put((BAD_SLOT, p), value(w))
+        bad = torch.tensor(held + [40], device=DEVICE)
+        return held + [40, 40], lambda s: int(torch.isin(s, bad).sum())
+    if table == "hot_pos":
+        # the rows those slots held now point at an emptied slot: a selection of one is
+        # a repaired hot_slot_of entry too
+        rows = [int(w.hot_pos[BAD_SLOT, b]) for b in (0, 3, 7) if int(w.hot_pos[BAD_SLOT, b]) >= 0]
+        for b in (0, 3, 7):
+            put((BAD_SLOT, b), value(w))
+        held = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+        return rows, lambda s: 3 + int(torch.isin(s, held).sum())
+    if table == "lru_order":
+        for i in (0, 5):
+            put((BAD_SLOT, i), value(w))
+        return [1, 44, 45], lambda s: 2
+    raise AssertionError(table)
+
+
+VALUES = {
+    "minus7": lambda w: -7,
+    "int32_min": lambda w: I32_MIN,
+    "int32_max": lambda w: I32_MAX,
+    "claim_like": lambda w: -(2**30) + 1,  # looks like the kernel's own claim codes
+    "just_above": lambda w: {"page_table": w.n_dev_rows - w.page_size + 1, "hot_slot_of": w.B,
+                             "hot_pos": w.P, "lru_order": w.B}[w._table],
+}
+TABLES = ("page_table", "hot_slot_of", "hot_pos", "lru_order")
+
+
+def own_rows(w, slot, batch_row):
+    """Device rows a request may be given: its hot rows, its pages, its staging row."""
+    pages = w.page_starts[slot].long()
+    page_rows = (pages[:, None] + torch.arange(w.page_size, device=DEVICE)[None, :]).flatten()
+    return set(w.hot_rows[slot].tolist()) | set(page_rows.tolist()) \
+        | set(w.staging_rows[batch_row].tolist())
+
+
+def call_and_gather(w, sel, copy):
+    out = w.call(sel, SLOTS, check_bytes=False, copy=copy)
+    if copy is None:
+        gather_rows(w.host_rows, w.device_rows, out[1], out[2], out[3])
+    return out
+
+
+@pytest.fixture(params=["one_block", "many_programs", "chunked"])
+def path(request, monkeypatch):
+    """The kernel's three layouts: whole-B block; more programs than SMs (chunked LRU,
+    atomic marks); K*k wider than one chunk (phase 1 through scratch)."""
+    mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    if request.param == "many_programs":
+        monkeypatch.setattr(mod, "_sm_count", lambda dev: 1)
+        monkeypatch.setattr(mod, "_MANY_BLOCK_B", 4)
+    if request.param == "chunked":
+        monkeypatch.setattr(mod, "_BLOCK_W", 4)
+    return request.param
+
+
+@pytest.mark.parametrize("value", sorted(VALUES))
+@pytest.mark.parametrize("table", TABLES)
+def test_one_corrupted_request_among_several(table, value, path):
+    if table == "hot_slot_of" and value == "just_above" and path != "one_block":
+        pytest.skip("one path is enough for the in-range variant of this table")
+    copy = None if path == "chunked" else True
+    clean, bad = make_world(), make_world()
+    bad._table = table
+    warm = selections(clean, seed=1)
+    for w in (clean, bad):
+        call_and_gather(w, warm, copy)
+    picks, expect = corrupt(bad, table, VALUES[value])
+    if table == "page_table":  # the same pages are ready on the clean side
+        clean.make_direct(BAD_SLOT, [3, 10])
+    idle_before = [t[1].clone() for t in bad.state()]
+    sel = selections(bad, seed=2, bad_positions=picks)
+    want = call_and_gather(clean, sel, copy)
+    got = call_and_gather(bad, sel, copy)  # kernel == reference on the corrupted state
+
+    others = [r for r in range(len(SLOTS)) if r != BAD_ROW]
+    for name, a, b in zip(OUTPUTS, got, want):
+        assert_same(f"{name} of the other requests", a[others], b[others])
+    for name, a, b in zip(STATE_NAMES, bad.state(), clean.state()):
+        for s in [SLOTS[r] for r in others]:
+            assert_same(f"{name} of slot {s}", a[s], b[s])
+    for name, a, b in zip(STATE_NAMES, bad.state(), idle_before):
+        assert_same(f"{name} of the idle slot", a[1], b)
+    bad.check_bytes(sel, SLOTS, got[0])  # every request exact, the corrupted one re-fetched
+    assert int(got[4][BAD_ROW, COUNTER_REPAIRS]) == expect(sel[BAD_ROW]), got[4]
+    assert int(got[4][others, COUNTER_REPAIRS].sum()) == 0
+    locs = got[0][BAD_ROW][sel[BAD_ROW] >= 0].tolist()
+    assert set(locs) <= own_rows(bad, BAD_SLOT, BAD_ROW), "a location outside the request's rows"
+    bad.guards_intact()
+
+    # repaired: the next call finds nothing to repair in the hot-cache tables
+    sel2 = selections(bad, seed=3, bad_positions=picks)
+    again = call_and_gather(bad, sel2, copy)
+    bad.check_bytes(sel2, SLOTS, again[0])
+    left = expect(sel2[BAD_ROW]) if table == "page_table" else 0  # the page table is only read
+    assert int(again[4][BAD_ROW, COUNTER_REPAIRS]) == left
+    bad.guards_intact()
+
+
+@pytest.mark.parametrize("slot_id,repairs", [(-1, 0), (-2, 1), (4, 1), (I32_MAX, 1), (I32_MIN, 1)])
+def test_padding_and_out_of_range_slot_ids(slot_id, repairs, path):
+    """Slot -1 is a padding row (CUDA-graph padding); any other id outside [0, S) is
+    treated the same and counted.  Neither touches state; the real rows are unaffected."""
+    copy = None if path == "chunked" else True
+    clean, w = make_world(), make_world()
+    sel = selections(w, seed=4)
+    slots = list(SLOTS)
+    slots[BAD_ROW] = slot_id
+    want = clean.call(sel, SLOTS, check_bytes=False, copy=copy)
+    before = [t.clone() for t in w.state()]
+    got = w.call(sel, slots, check_bytes=False, copy=copy)
+    assert bool((got[0][BAD_ROW] == -1).all())
+    assert int(got[3][BAD_ROW]) == 0 and bool((got[2][BAD_ROW] == -1).all())
+    assert got[4][BAD_ROW].tolist() == [0, 0, 0, 0, repairs]
+    others = [r for r in range(len(SLOTS)) if r != BAD_ROW]
+    for name, a, b in zip(OUTPUTS, got, want):
+        assert_same(f"{name} of the real rows", a[others], b[others])
+    for name, a, b in zip(STATE_NAMES, w.state(), before):
+        assert_same(f"{name} of the padding row's slot", a[BAD_SLOT], b[BAD_SLOT])
+    w.guards_intact()
+
+
+def test_reference_refuses_to_wrap_negative_slots():
+    """Negative entries never index from the end (slot -1 used to become slot B-1)."""
+    w = make_world()
+    w._table = "hot_slot_of"
+    corrupt(w, "hot_slot_of", lambda w: -1 - w.B + 2)  # -7: would wrap to slot 1
+    w._table = "lru_order"
+    corrupt(w, "lru_order", lambda w: -1)
+    sel = selections(w, seed=5, bad_positions=[5, 20, 33, 40, 40])
+    out = w.call(sel, SLOTS, check_bytes=False, copy=True)
+    w.check_bytes(sel, SLOTS, out[0])
+    assert int(out[4][BAD_ROW, COUNTER_REPAIRS]) == 5 + 2
