@@ -1,7 +1,15 @@
 """Stateful property test: random admit / append / resolve / step / finish / preempt
 sequences over two sources keep every invariant (check_invariants after every step)
 and every request's resolved bytes equal its own ground truth (eq. 12), whatever
-the other requests do (reclaim by admission, repopulation, tail backups)."""
+the other requests do (reclaim by admission, repopulation, tail backups).
+
+On CUDA the same machine runs with realistic asynchrony: every appended or
+imported row is produced by GPU work that is still in flight (queued behind a
+busy-wait kernel) when the hierarchy starts backing it up, and resolution runs
+the Triton kernels.  A backup that read its rows before they landed stores wrong
+bytes, which the invariant check (host rows marked backed) and the resolved
+bytes catch."""
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -29,12 +37,18 @@ def random_rows(n, width, seed):
 
 
 class HierarchyMachine(RuleBasedStateMachine):
+    device = "cpu"
+
+    def produce(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows as the model would hand them over (here: already computed)."""
+        return rows
+
     @initialize(policy=st.sampled_from(sorted(RECLAIM_POLICIES)), reserve=st.integers(0, 2),
                 optional=st.booleans(), eager=st.booleans(), repop=st.integers(1, 3))
     def build(self, policy, reserve, optional, eager, repop):
         self.h = KVHierarchy(SOURCES, reclaim_policy=policy, admission_reserve_pages=reserve,
                              optional_residency=optional, eager_backup=eager,
-                             repopulate_pages_per_step=repop)
+                             repopulate_pages_per_step=repop, device=self.device)
         self.truth: dict[str, dict[str, torch.Tensor]] = {}
         self.max_rows: dict[str, int] = {}
         self.next_id = 0
@@ -52,7 +66,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         self.next_id += 1
         imported = {"a": random_rows(n_a, 3, seed), "b": random_rows(n_b, 5, seed + 1)}
         before = self.snapshot()
-        if self.h.admit(req, max_rows, imported):
+        if self.h.admit(req, max_rows, {k: self.produce(v) for k, v in imported.items()}):
             self.truth[req] = {k: v.clone() for k, v in imported.items()}
             self.max_rows[req] = max_rows
         else:  # "wait": nothing reclaimed, nothing allocated
@@ -67,7 +81,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         if n <= 0:
             return
         rows = random_rows(n, WIDTH[src], seed)
-        self.h.append(req, src, rows)
+        self.h.append(req, src, self.produce(rows))
         self.truth[req][src] = torch.cat([self.truth[req][src], rows])
 
     @precondition(lambda self: self.truth)
@@ -84,18 +98,26 @@ class HierarchyMachine(RuleBasedStateMachine):
             values = data.draw(st.lists(st.integers(-1, n - 1), min_size=n_queries * top_k,
                                         max_size=n_queries * top_k))  # duplicates and -1 allowed
             sel[i] = torch.tensor(values, dtype=torch.int32).view(n_queries, top_k)
-        loc, counters = self.h.resolve(src, reqs, sel)
+        loc, counters = self.h.resolve(src, reqs, sel.to(self.device))
+        loc, counters = loc.cpu(), counters.cpu()
         pool = self.h.sources[src].pool
         for i, r in enumerate(reqs):
             m = sel[i] >= 0
             assert bool((loc[i][~m] == -1).all()), f"padding of {r} got a location"
-            got = pool.read(loc[i][m].long())
+            got = pool.read(loc[i][m].long()).cpu()
             assert torch.equal(got, self.truth[r][src][sel[i][m].long()]), \
                 f"request {r} source {src}: resolved bytes differ from its rows"
             assert int(counters[i, :3].sum()) == int(m.sum())
 
     @rule()
     def step(self):
+        self.h.step()
+
+    @precondition(lambda self: self.truth)
+    @rule(data=st.data(), n=st.integers(1, 5), seed=st.integers(0, 2**16))
+    def append_and_step(self, data, n, seed):
+        """Tail backups start while the rows they copy may still be in flight."""
+        self.append(data, n, seed)
         self.h.step()
 
     @precondition(lambda self: self.truth)
@@ -115,3 +137,23 @@ HierarchyMachine.TestCase.settings = settings(
     max_examples=50, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestHierarchyProperties = HierarchyMachine.TestCase
+
+
+class AsyncCudaHierarchyMachine(HierarchyMachine):
+    # an explicit index: the hierarchy must treat it as the same GPU as plain "cuda"
+    device = "cuda:0"
+
+    def produce(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows land on the GPU ~2 ms after this returns: the copy that produces them is
+        queued behind a busy-wait kernel on the compute stream."""
+        out = torch.empty(rows.shape, dtype=rows.dtype, device=self.device)
+        torch.cuda._sleep(4_000_000)
+        out.copy_(rows.pin_memory(), non_blocking=True)
+        return out
+
+
+AsyncCudaHierarchyMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestAsyncCudaHierarchyProperties = pytest.mark.cuda(pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")(AsyncCudaHierarchyMachine.TestCase))

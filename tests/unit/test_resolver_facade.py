@@ -142,3 +142,15 @@ def test_shared_retrieval_fetches_each_row_once(setup):
     assert t["verify_host_selections"] == 10 and t["verify_fetched"] == 5
     assert t["bytes_fetched"] == 5 * W
     check_invariants(h, truth)  # staging overflow did not enter the hot cache
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_and_cuda_index_are_one_device():
+    """Tables made on "cuda", selections on cuda:0 (what tensors report): one GPU."""
+    h = KVHierarchy([dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=100,
+                          hot_rows=4, tail_pages=1, max_slots=2, max_rows=20)], device="cuda")
+    assert h.admit("r", 20, {"s": rows(9, 0).cuda()})
+    loc, c = h.resolve("s", ["r"], torch.tensor([[[0, 5, 8, -1]]], dtype=torch.int32,
+                                                device=torch.device("cuda", 0)))
+    assert int(c[0, :3].sum()) == 3

@@ -57,11 +57,16 @@ class DevicePagePool:
                                  f"segments; use read()/write()")
         return self.segments[0][1]
 
-    def write(self, locs: torch.Tensor, data: torch.Tensor, non_blocking: bool = False) -> None:
+    def write(self, locs: torch.Tensor, data: torch.Tensor) -> None:
         """``row[locs[i]] = data[i]`` for logical rows.  locs [n] int, data [n, row_bytes] uint8."""
         locs = locs.to(self.device, torch.int64)
         for start, plane in self.segments:
-            plane[locs] = data[:, start:start + plane.shape[1]].to(self.device, non_blocking=non_blocking)
+            plane[locs] = data[:, start:start + plane.shape[1]].to(self.device)
+
+    def plane_rows(self, first: int, n: int) -> list[tuple[int, torch.Tensor]]:
+        """Rows ``[first, first + n)`` as contiguous views of every plane, for copies in
+        and out: ``[(first byte inside a row, uint8 [n, seg_bytes])]``."""
+        return [(start, plane[first:first + n]) for start, plane in self.segments]
 
     def write_range(self, first: int, data: torch.Tensor) -> None:
         for start, plane in self.segments:

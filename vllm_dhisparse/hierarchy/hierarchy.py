@@ -27,10 +27,12 @@ import torch
 
 from .device_pool import DevicePagePool
 from .host_store import HostBackupError, HostStore
+from .pinned import check_host_memory
 from .residency import ResidencyManager
 from .resolver import Resolver
 from .source_state import SourceState
 from .specs import ResidencyConfig, SourceSpec
+from .transfers import CopyStream
 
 
 @dataclass
@@ -60,6 +62,11 @@ class KVHierarchy:
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be distinct, got {names}")
         cfg = self.config
+        check_host_memory(sum(s.host_rows * s.row_bytes for s in specs),
+                          "host backing store (host_pool_gib; sources "
+                          + ", ".join(f"{s.name}: {s.host_rows} rows x {s.row_bytes} B" for s in specs)
+                          + ")")
+        self.copies = CopyStream(device)  # backups and repopulation overlap compute
         self.sources: dict[str, SourceParts] = {}
         for s in specs:
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
@@ -67,7 +74,8 @@ class KVHierarchy:
                                 hot_rows_per_slot=s.hot_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
                                   row_bytes=s.row_bytes, device=device, segments=s.segments)
-            host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows)
+            host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows,
+                             copies=self.copies)
             resolver = Resolver(state, pool.segments, host.rows, backend=backend)
             residency = ResidencyManager(
                 state, pool, host, tail_pages=s.tail_pages, staging_rows=s.staging_rows,

@@ -2,14 +2,17 @@
 
 Rows are raw bytes (``uint8 [rows, row_bytes]``) so any row format fits: 584 B
 fp8_ds_mla rows on CPU, 656 B on GPU, 2.4 KB GLM layer rows.  Memory is pinned
-when CUDA is present, so resolver kernels read it zero-copy.
+(exactly, see ``pinned.py``) when CUDA is present, so resolver kernels read it
+zero-copy and copies to and from it are asynchronous.
 
 Each request gets one *contiguous* extent sized for its maximum length: random
 656 B reads spread over a 32 GiB pool ran at ~18 GB/s on the H200 against
 ~45 GB/s inside one request's region (shared/notes/environment.md).
 
-Writes are two-phase (``prepare_backup`` -> ``complete_backup``): a row counts
-as host-backed only after its copy completed, never when it was merely issued.
+Writes are two-phase (``prepare_backup`` -> ``complete_backup``): a backup copies
+a contiguous run of rows straight into the request's slice of the pool on the
+copy stream, and the rows count as host-backed only once that copy completed,
+never when it was merely issued.
 """
 from __future__ import annotations
 
@@ -18,12 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .pinned import host_buffer
+from .transfers import CopyStream, Planes, Transfer
+
 
 @dataclass
 class PendingBackup:
     req_id: str
-    rows: torch.Tensor  # [n] int64 request-local rows being written
-    event: object = None  # torch.cuda.Event when the copy is asynchronous
+    first: int  # request-local rows [first, first + count) being written
+    count: int
+    transfer: Transfer = field(default_factory=Transfer)
     done: bool = field(default=False)
 
 
@@ -36,7 +43,8 @@ class HostBackupError(RuntimeError):
 
 
 class HostStore:
-    def __init__(self, *, name: str, row_bytes: int, capacity_rows: int, pin: bool | None = None):
+    def __init__(self, *, name: str, row_bytes: int, capacity_rows: int, pin: bool | None = None,
+                 copies: CopyStream | None = None):
         if row_bytes <= 0 or capacity_rows <= 0:
             raise ValueError(f"host store {name!r}: row_bytes={row_bytes} and "
                              f"capacity_rows={capacity_rows} must be > 0")
@@ -45,7 +53,8 @@ class HostStore:
         self.capacity_rows = capacity_rows
         if pin is None:
             pin = torch.cuda.is_available()
-        self.rows = torch.empty((capacity_rows, row_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.copies = copies or CopyStream("cpu")
+        self.rows = host_buffer(capacity_rows * row_bytes, pin).view(capacity_rows, row_bytes)
         self._extent: dict[str, tuple[int, int]] = {}  # req -> (base, length)
         self._backed: dict[str, torch.Tensor] = {}  # req -> [length] bool
         self._free: list[tuple[int, int]] = [(0, capacity_rows)]  # sorted (base, length)
@@ -101,35 +110,43 @@ class HostStore:
         return req_id in self._extent
 
     # -- backups (two-phase) ----------------------------------------------------
-    def prepare_backup(self, req_id: str, rows: torch.Tensor, data: torch.Tensor) -> PendingBackup:
-        """Starts copying ``data`` ([n, row_bytes] uint8, any device) into rows ``rows``."""
+    def slice(self, req_id: str, first: int, count: int) -> torch.Tensor:
+        """Rows ``[first, first + count)`` of ``req_id``: a contiguous view of the pool
+        (pinned on CUDA).  # [count, row_bytes] uint8"""
         base, length = self._extent[self._require(req_id)]
-        rows = rows.to(torch.int64).cpu()
-        if data.dtype != torch.uint8 or data.shape != (rows.numel(), self.row_bytes):
-            raise ValueError(f"host store {self.name!r}: backup data must be uint8 "
-                             f"[{rows.numel()}, {self.row_bytes}], got {data.dtype} {tuple(data.shape)}")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= length):
+        if first < 0 or count < 0 or first + count > length:
             raise IndexError(f"host store {self.name!r}: request {req_id!r} rows "
-                             f"[{int(rows.min())}, {int(rows.max())}] outside [0, {length})")
+                             f"[{first}, {first + count}) outside [0, {length})")
+        return self.rows[base + first:base + first + count]
+
+    def prepare_backup(self, req_id: str, first: int, data: torch.Tensor | Planes) -> PendingBackup:
+        """Starts copying ``data`` into rows ``[first, first + n)`` of ``req_id``:
+        ``uint8 [n, row_bytes]`` on any device, or device planes ``[(first byte,
+        uint8 [n, seg_bytes])]`` covering the row (``DevicePagePool.plane_rows``)."""
+        planes = [(0, data)] if isinstance(data, torch.Tensor) else list(data)
+        n = planes[0][1].shape[0]
+        if any(p.dtype != torch.uint8 or p.dim() != 2 or p.shape[0] != n for _, p in planes) \
+                or sum(p.shape[1] for _, p in planes) != self.row_bytes:
+            raise ValueError(f"host store {self.name!r}: backup data must be uint8 "
+                             f"[n, {self.row_bytes}] (or planes summing to it), got "
+                             f"{[(p.dtype, tuple(p.shape)) for _, p in planes]}")
+        dst = self.slice(req_id, first, n)
         if req_id in self.fail_next_backup_of:
             self.fail_next_backup_of.discard(req_id)
             raise HostBackupError(f"host store {self.name!r}: backup of request {req_id!r} failed "
                                   f"(injected fault)", req_id=req_id)
-        pending = PendingBackup(req_id, rows)
-        if data.is_cuda and self.rows.is_pinned():
-            self.rows[base + rows] = data.to("cpu", non_blocking=True)
-            pending.event = torch.cuda.Event()
-            pending.event.record()
-        else:
-            self.rows[base + rows] = data.cpu()
-        return pending
+        return PendingBackup(req_id, first, n, self.copies.to_host(dst, planes))
+
+    def backup_done(self, pending: PendingBackup) -> bool:
+        """Whether the copy completed (polls; never waits)."""
+        return pending.transfer.done()
 
     def complete_backup(self, pending: PendingBackup) -> None:
-        """Marks rows backed once their copy finished (waits for it)."""
-        if pending.event is not None:
-            pending.event.synchronize()
+        """Marks the rows backed once their copy finished (waits for it)."""
+        pending.transfer.wait()
+        pending.transfer = Transfer()
         if pending.req_id in self._backed:  # request may have finished meanwhile
-            self._backed[pending.req_id][pending.rows] = True
+            self._backed[pending.req_id][pending.first:pending.first + pending.count] = True
         pending.done = True
 
     def backed(self, req_id: str) -> torch.Tensor:
@@ -137,6 +154,7 @@ class HostStore:
         return self._backed[self._require(req_id)]
 
     def read(self, req_id: str, rows: torch.Tensor) -> torch.Tensor:
+        """A synchronous copy of backed rows (tests and invariant checks)."""
         base, _ = self._extent[self._require(req_id)]
         return self.rows[base + rows.to(torch.int64).cpu()]
 

@@ -21,8 +21,11 @@ nothing) when all optional pages together cannot cover Δ.
 
 Every row below ``seq_len`` is at all times ready on device (tail / optional
 page) or host-backed: pages are unpublished only after their backup completed.
-On CUDA the copies are stream-ordered behind earlier readers, so a freed page
-is only rewritten after those readers ran.
+On CUDA the copies run on the host store's copy stream (``transfers.py``),
+which first waits for the compute stream: a backup reads rows only after the
+work that produced them, and a repopulation rewrites a freed page only after
+the work that last read it.  Repopulated pages are published once their copy
+is seen complete (polled, never waited for, between steps).
 """
 from __future__ import annotations
 
@@ -35,12 +38,13 @@ from .host_store import HostStore
 from .reclaim_policies import ReclaimCandidate, get_reclaim_policy, select_victims
 from .source_state import SourceState
 from .tail import TailWriter
+from .transfers import Transfer
 
 
 @dataclass
 class PendingPage:
     device_page: int
-    event: object = None  # torch.cuda.Event of the host->device copy, None when synchronous
+    transfer: Transfer = field(default_factory=Transfer)  # the host->device copy
 
 
 @dataclass
@@ -153,10 +157,9 @@ class ResidencyManager:
         backed = self.host.backed(req_id)
         issued = []
         for page, dev in sorted(rec.optional.items()):
-            rows = torch.arange(page * ps, (page + 1) * ps)
-            if not bool(backed[rows].all()):
-                data = self.pool.read(self.pool.page_rows([dev]))
-                issued.append(self.host.prepare_backup(req_id, rows, data))
+            if not bool(backed[page * ps:(page + 1) * ps].all()):
+                src = self.pool.plane_rows(self.pool.first_row(dev), ps)
+                issued.append(self.host.prepare_backup(req_id, page * ps, src))
         for pending in issued:
             self.host.complete_backup(pending)
         self.counters.host_pages_written += len(issued)
@@ -220,7 +223,7 @@ class ResidencyManager:
     def _write_host(self, rec: RequestPages, data: torch.Tensor, start: int, end: int) -> None:
         if end <= start:
             return
-        pending = self.host.prepare_backup(rec.req_id, torch.arange(start, end), data[start:end])
+        pending = self.host.prepare_backup(rec.req_id, start, data[start:end])
         self.host.complete_backup(pending)
         self.counters.host_pages_written += (end - start) // self.page_size
 
@@ -256,33 +259,27 @@ class ResidencyManager:
                 continue
             idle = 0
             dev = self.pool.allocate(1)[0]
-            rows = torch.arange(page * self.page_size, (page + 1) * self.page_size)
-            dst = self.pool.page_rows([dev])
-            pending = PendingPage(dev)
-            if self.pool.device.type == "cuda":
-                self.pool.write(dst, self.host.read(rec.req_id, rows), non_blocking=True)
-                pending.event = torch.cuda.Event()
-                pending.event.record()
-            else:
-                self.pool.write(dst, self.host.read(rec.req_id, rows))
-            rec.pending[page] = pending
+            ps = self.page_size
+            src = self.host.slice(rec.req_id, page * ps, ps)  # contiguous, pinned on CUDA
+            dst = self.pool.plane_rows(self.pool.first_row(dev), ps)
+            rec.pending[page] = PendingPage(dev, self.host.copies.to_device(dst, src))
             issued += 1
         return issued
 
     def _wait_populations(self, rec: RequestPages) -> None:
-        for p in (p for p in rec.pending.values() if p.event is not None):
-            p.event.synchronize()
+        for p in rec.pending.values():
+            p.transfer.wait()
 
     def complete_populations(self) -> int:
-        """Publishes pending pages whose copy finished: from here on they resolve directly."""
+        """Publishes pending pages whose copy has finished (polled: a copy still in flight
+        stays pending, its rows served by hot cache / host meanwhile)."""
         done = 0
         for rec in self.requests.values():
-            self._wait_populations(rec)
-            for page, p in sorted(rec.pending.items()):
+            for page in sorted(page for page, p in rec.pending.items() if p.transfer.done()):
+                p = rec.pending.pop(page)
                 rec.optional[page] = p.device_page
                 self.source.publish_page(rec.req_id, page, self.pool.first_row(p.device_page))
                 done += 1
-            rec.pending.clear()
         self.counters.pages_repopulated += done
         return done
 
@@ -291,8 +288,7 @@ class ResidencyManager:
         """Completion / preemption: device pages, slot and host extent all go back."""
         rec = self.request(req_id)
         for _, pending in rec.backups:  # copies still reading tail pages must finish first
-            if pending.event is not None:
-                pending.event.synchronize()
+            pending.transfer.wait()
         self._wait_populations(rec)
         del self.requests[req_id]
         self.pool.free(rec.owned_pages())

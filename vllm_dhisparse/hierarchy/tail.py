@@ -11,12 +11,13 @@ Life of a tail page:
    writes the rows, publishes it, then raises ``seq_len`` (the resolver never
    reads at or past ``seq_len``, so the order keeps readers safe).
 2. Once a page is complete, ``start_backups`` (called by ``step()``) issues its
-   host copy (two-phase ``prepare_backup``).  It stays published meanwhile: its
-   rows have no complete host copy yet.
-3. ``finish_backups`` (next ``step()``) completes the copy, unpublishes the
-   page and returns it to the request's free tail pages.  From then on those
-   rows resolve through the hot cache / host (decoded rows follow hot-cache
-   rules, paper 3.1).  The partial last page never leaves the tail.
+   host copy (two-phase ``prepare_backup``, on the copy stream).  It stays
+   published meanwhile: its rows have no complete host copy yet.
+3. ``finish_backups`` (a later ``step()``) completes the copies that have
+   finished (polled: one still in flight waits for the next step), unpublishes
+   each page and returns it to the request's free tail pages.  From then on
+   those rows resolve through the hot cache / host (decoded rows follow
+   hot-cache rules, paper 3.1).  The partial last page never leaves the tail.
 
 If ``append`` needs a page while all are bound, it backs up synchronously
 (``flush``) first; every bound page except the current one is complete then,
@@ -78,18 +79,21 @@ class TailWriter:
         complete = self.source.seq_len(rec.req_id) // self.page_size
         in_flight = {p for p, _ in rec.backups}
         issued = 0
+        ps = self.page_size
         for page, dev in sorted(rec.tail.items()):
             if page < complete and page not in in_flight:
-                rows = torch.arange(page * self.page_size, (page + 1) * self.page_size)
-                data = self.pool.read(self.pool.page_rows([dev]))
-                rec.backups.append((page, self.host.prepare_backup(rec.req_id, rows, data)))
+                src = self.pool.plane_rows(self.pool.first_row(dev), ps)
+                rec.backups.append((page, self.host.prepare_backup(rec.req_id, page * ps, src)))
                 issued += 1
         return issued
 
-    def finish_backups(self, rec: "RequestPages") -> None:
-        """Completes issued copies; each backed page leaves the tail (unpublished, freed)."""
+    def finish_backups(self, rec: "RequestPages", wait: bool = False) -> None:
+        """Completes the issued copies that have finished (all of them with ``wait``); each
+        backed page leaves the tail (unpublished, freed).  Copies complete in issue order."""
         while rec.backups:
             page, pending = rec.backups[0]
+            if not wait and not self.host.backup_done(pending):
+                break
             self.host.complete_backup(pending)  # rows are backed from here on
             rec.backups.pop(0)
             self.source.unpublish_page(rec.req_id, page)
@@ -98,7 +102,7 @@ class TailWriter:
 
     def flush(self, rec: "RequestPages") -> None:
         """Synchronous path for a full tail: back up every complete page now."""
-        self.finish_backups(rec)
+        self.finish_backups(rec, wait=True)
         if not rec.tail_free:
             self.start_backups(rec)
-            self.finish_backups(rec)
+            self.finish_backups(rec, wait=True)

@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
+from vllm_dhisparse.hierarchy.pinned import check_host_memory
 from vllm_dhisparse.hierarchy.specs import ResidencyConfig, SourceSpec
 
 from .metadata import DHiSparseMetadata
@@ -124,6 +125,8 @@ class WorkerSide:
                 host_rows=host_rows, hot_rows=hot, tail_pages=self.cfg.tail_pages,
                 max_slots=self.max_num_seqs, max_rows=layer_rows, staging_rows=staging,
                 segments=layer.segments))
+        check_host_memory(sum(sp.host_rows * sp.row_bytes for sp in specs),
+                          f"kv_connector_extra_config['host_pool_gib'] = {self.cfg.host_pool_gib}")
         residency = ResidencyConfig(
             admission_reserve_pages=self.cfg.admission_reserve_pages,
             repopulate_pages_per_step=self.cfg.repopulate_pages_per_step,

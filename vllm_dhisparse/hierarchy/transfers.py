@@ -1,0 +1,84 @@
+"""Copies between the device pool and the host store, on their own CUDA stream.
+
+Backups (device -> host) and repopulation (host -> device) run on one copy
+stream per hierarchy, so they overlap the compute stream's work instead of
+queueing behind it.  Each copy first makes the copy stream wait for the
+compute stream: the rows a backup reads were produced by work queued there,
+and the free pages a repopulation writes may still be read by work queued
+there.  A copy ends with an event; its :class:`Transfer` is done when the event
+has completed, and only then may the caller mark rows backed or publish a
+page.  Nothing on the CPU reads a buffer whose copy is in flight: host rows are
+written in place, in one contiguous slice of the pinned store.
+
+Rows stored in several planes (``DevicePagePool`` segments) travel through one
+contiguous device buffer allocated on the copy stream, so each direction is a
+single host<->device copy of whole rows.  On CPU every copy is synchronous.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .devices import canonical_device
+
+Planes = list[tuple[int, torch.Tensor]]  # (first byte inside a row, rows [n, seg_bytes])
+
+
+@dataclass
+class Transfer:
+    event: object = None  # torch.cuda.Event recorded on the copy stream; None = completed
+    keep: tuple = ()  # tensors the copy reads or writes, alive until it completed
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class CopyStream:
+    def __init__(self, device: torch.device | str):
+        self.device = canonical_device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _begin(self):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def _end(self, *keep) -> Transfer:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return Transfer(event, keep)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor | Planes) -> Transfer:
+        """``dst`` ([n, W] contiguous host slice) <- rows ``src`` ([n, W] any device, or
+        device planes ``[(first byte, [n, seg])]``)."""
+        planes = [(0, src)] if isinstance(src, torch.Tensor) else src
+        if self.stream is None or not planes[0][1].is_cuda:
+            for start, plane in planes:
+                dst[:, start:start + plane.shape[1]].copy_(plane)
+            return Transfer()
+        with self._begin():
+            if len(planes) == 1 and planes[0][1].is_contiguous():
+                rows = planes[0][1]
+            else:
+                rows = torch.cat([plane for _, plane in planes], dim=1)
+            dst.copy_(rows, non_blocking=True)
+            return self._end(dst, rows)
+
+    def to_device(self, dst: Planes, src: torch.Tensor) -> Transfer:
+        """Device planes ``dst`` <- ``src`` ([n, W] contiguous host slice)."""
+        if self.stream is None:
+            for start, plane in dst:
+                plane.copy_(src[:, start:start + plane.shape[1]])
+            return Transfer()
+        with self._begin():
+            if len(dst) == 1 and dst[0][1].is_contiguous():
+                dst[0][1].copy_(src, non_blocking=True)
+                return self._end(src, dst[0][1])
+            rows = src.to(self.device, non_blocking=True)
+            for start, plane in dst:
+                plane.copy_(rows[:, start:start + plane.shape[1]], non_blocking=True)
+            return self._end(src, rows)
