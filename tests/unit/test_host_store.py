@@ -142,6 +142,7 @@ def test_backup_of_rows_still_being_produced_on_cuda(planes):
         h.complete_backup(pending)
         assert bool(h.backed(req)[512:1536].all())
         assert torch.equal(h.slice(req, 512, 1024), want), f"trial {trial}: host bytes differ"
+        h.free(req)
 
 
 @pytest.mark.cuda

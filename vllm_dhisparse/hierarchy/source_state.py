@@ -14,7 +14,8 @@ Tables, all on the pool's device:
 * ``hot_pos / hot_rows / lru_order [S, B] int32`` and
   ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache with exact LRU
   (see ``vllm_dhisparse/triton_kernels/reference.py`` for the update rule).
-* ``seq_lens [S] int32`` — rows of history per slot (selections must be below).
+* ``seq_lens [S] int32`` — rows of history per slot (selections must be below);
+  mirrored on the host, so reading a length never waits for the device.
 * ``host_base [S] int64`` — host row of the slot's row 0 in the host store.
 
 This class only owns the tables and their reset on open/close; which pages
@@ -52,6 +53,7 @@ class SourceState:
         self.lru_order = torch.arange(self.budget, **i32).repeat(max_slots, 1)
         self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
         self.seq_lens = torch.zeros(max_slots, **i32)
+        self._seq_len_host = [0] * max_slots
         self.host_base = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
@@ -85,6 +87,7 @@ class SourceState:
         self.lru_order[slot] = torch.arange(self.budget, dtype=torch.int32, device=self.device)
         self.hot_slot_of[slot] = -1
         self.seq_lens[slot] = 0
+        self._seq_len_host[slot] = 0
         self.host_base[slot] = 0
 
     def require(self, req_id: str) -> str:
@@ -115,7 +118,9 @@ class SourceState:
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"source {self.name!r}: request {req_id!r} length {rows} "
                              f"outside [0, {self.max_rows}]")
-        self.seq_lens[self.slot(req_id)] = rows
+        slot = self.slot(req_id)
+        self.seq_lens[slot] = rows
+        self._seq_len_host[slot] = rows
 
     def seq_len(self, req_id: str) -> int:
-        return int(self.seq_lens[self.slot(req_id)])
+        return self._seq_len_host[self.slot(req_id)]
