@@ -74,6 +74,9 @@ def metadata() -> dict:
                     device_memory_gib=round(p.total_memory / 2**30, 1))
     else:
         meta["device"] = "cpu"
+    if os.environ.get("DHISPARSE_COMMIT"):  # the device copy of the tree may carry no .git
+        meta["git_commit"] = os.environ["DHISPARSE_COMMIT"]
+        return meta
     try:
         meta["git_commit"] = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
