@@ -187,9 +187,9 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_ro
 def _mark_and_claim(pos, v, hot, host, j, hot_pos_row, hso_row, CLAIM: tl.constexpr,
                     MARK_STORE: tl.constexpr):
     """Phase 1 writes: hits mark their slot (hot_pos = -2 - pos), misses claim their row
-    (hot_slot_of = CLAIM + j, the smallest j left wins).  An entry below -1 (corrupt,
-    or another lane's claim) is reset first: every lane that resets claims after it,
-    so the row still ends with exactly one owner.  Returns the number of slots this
+    (hot_slot_of = CLAIM + j, the smallest j left wins).  An entry that was below -1 on
+    entry (corrupt) is reset first; a reset may also clear another lane's claim, but
+    every lane that resets claims after it, so the row still ends with one owner.  Returns the number of slots this
     chunk touched first (atomic marking only; 0 with MARK_STORE)."""
     # relaxed, CTA scope: only this program touches this slot's rows, and the
     # barriers order the phases (acq_rel serialised each thread's atomics)
@@ -318,11 +318,12 @@ def _resolve_kernel(
         for w0 in range(0, W, BLOCK_W):
             jc = w0 + offs_w
             mc = jc < W
-            _, _, lc, kc, _, _, pc = _lookup(
+            _, vc, lc, kc, _, _, pc = _lookup(
                 sel_row, jc, mc, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
                 hot_rows_row, max_pos, B, PAGE_SIZE)
             tl.store(loc_row + jc, lc, mask=mc)
             tl.store(key_ptr + jc, kc, mask=mc)
+            tl.store(mj_ptr + jc, vc, mask=mc)  # entry values for 1b (mj is free until phase 2)
             n_direct += (pc & 0x1FFF).to(tl.int32)
             n_hot += ((pc >> 13) & 0x1FFF).to(tl.int32)
             n_host += ((pc >> 26) & 0x1FFF).to(tl.int32)
@@ -347,11 +348,10 @@ def _resolve_kernel(
         for w0 in range(0, W, BLOCK_W):
             jc = w0 + offs_w
             kc = tl.load(key_ptr + jc, mask=jc < W, other=-1)
+            vc = tl.load(mj_ptr + jc, mask=jc < W, other=-1)
             hostc = kc >= 0
             hotc = kc <= -2
             posc = tl.where(hostc, kc, tl.where(hotc, -2 - kc, 0))
-            # a hit's entry is stable; a miss's is the entry value or an earlier claim
-            vc = tl.load(hso_row + posc, mask=hostc | hotc, other=-1)
             n_touch += _mark_and_claim(posc, vc, hotc, hostc, jc, hot_pos_row, hso_row, CLAIM,
                                        MARK_STORE)
     tl.debug_barrier()
