@@ -273,6 +273,7 @@ def main() -> int:
     def write(done: list, complete: bool) -> dict:
         # rewritten after every configuration: a run cut short keeps what it checked
         result = dict(
+            commit=os.environ.get("DHISPARSE_COMMIT"),  # the device copy may carry no .git
             device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (TRITON_INTERPRET=1)",
             torch=torch.__version__, triton=triton.__version__,
             date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

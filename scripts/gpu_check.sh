@@ -43,7 +43,7 @@ fi
 
 corr_rc=skipped
 if [ "${CORRECTNESS:-1}" = 1 ]; then
-    timeout "${CORRECTNESS_TIMEOUT:-330}" python3 benchmarks/gpu_correctness.py \
+    DHISPARSE_COMMIT="${COMMIT:-}" timeout "${CORRECTNESS_TIMEOUT:-330}" python3 benchmarks/gpu_correctness.py \
         --out "$OUT/gpu_correctness.json" 2>&1 | tee "$OUT/gpu_correctness.log" | tail -25
     corr_rc=${PIPESTATUS[0]}
 fi
