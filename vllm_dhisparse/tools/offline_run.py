@@ -25,9 +25,11 @@ def prompt_ids(length: int, seed: int, vocab: int = 512) -> list[int]:
 
 def build_llm(args, stats_file: str | None):
     from vllm import LLM
+    # both arms alike: prefix caching and chunked prefill off (the connector refuses them)
     kw = dict(model=args.model, enforce_eager=True, block_size=256,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.kv_fraction, seed=0)
+              gpu_memory_utilization=args.kv_fraction, seed=0,
+              enable_prefix_caching=False, enable_chunked_prefill=False)
     if args.kv_cache_bytes:
         # vLLM's KV pool in bytes (all groups share one pool of equal-size blocks)
         kw.update(kv_cache_memory_bytes=args.kv_cache_bytes)
