@@ -3,11 +3,15 @@
 Every knob is declared once in ``_FIELDS`` (type, default, help); the frozen
 dataclass, the validation and the ``--help``-style description all come from
 that table.  Unknown keys are rejected with the list of valid ones, so a typo
-never silently falls back to a default.
+never silently falls back to a default; NaN and infinity are rejected too.
+
+Test-only fault injection is not part of this surface: see ``TEST_HOOK_ENV``.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -18,7 +22,6 @@ RESOLVER_BACKENDS = ("auto", "triton", "reference")
 _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "hot_cache_rows": (int, None, 1, "rows of per-request hot cache B per source; default 2 x top-k"),
     "host_pool_gib": (float, 4.0, 0.0, "pinned host memory for full KV history, GiB"),
-    "page_size": (int, 64, 1, "rows per device page of a hierarchy-managed source"),
     "tail_pages": (int, 2, 1, "device pages per request/source for rows not yet host-backed"),
     "admission_reserve_pages": (int, 0, 0, "pages kept free for admissions (M_res of eq. 3)"),
     "repopulate_pages_per_step": (int, 16, 0, "bound on optional-history pages refilled per step"),
@@ -31,16 +34,26 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                           "0 = auto: every running request's full history fits"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
-    "debug_corrupt_mapping": (bool, False, None, "TEST ONLY: shift one resolved location so outputs must differ"),
-    "debug_fail_backup_of": (str, "", None, "TEST ONLY: request id (prefix) whose host backup fails"),
 }
+
+# Fault injection for the E2E tests, read from the environment of the vLLM process, never
+# from kv_connector_extra_config: variable -> what it does.
+TEST_HOOK_ENV = {
+    "DHISPARSE_TEST_CORRUPT_MAPPING": "1: shift one resolved location so outputs must differ",
+    "DHISPARSE_TEST_FAIL_BACKUP_OF": "request id prefix whose first host backup fails",
+}
+
+
+def test_hook(name: str) -> str:
+    """The value of test hook ``name`` ('' when unset)."""
+    assert name in TEST_HOOK_ENV, name
+    return os.environ.get(name, "")
 
 
 @dataclass(frozen=True)
 class DHiSparseConfig:
     hot_cache_rows: int | None = None
     host_pool_gib: float = 4.0
-    page_size: int = 64
     tail_pages: int = 2
     admission_reserve_pages: int = 0
     repopulate_pages_per_step: int = 16
@@ -51,8 +64,6 @@ class DHiSparseConfig:
     device_pool_pages: int = 0
     resolver_backend: str = "auto"
     stats_file: str = ""
-    debug_corrupt_mapping: bool = False
-    debug_fail_backup_of: str = ""
 
     def __post_init__(self):
         for key, (typ, _, allowed, _help) in _FIELDS.items():
@@ -65,6 +76,9 @@ class DHiSparseConfig:
             if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: expected "
                                  f"{typ.__name__} ({_help})")
+            if typ is float and not math.isfinite(value):
+                raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: must be a "
+                                 f"finite number ({_help})")
             if isinstance(allowed, tuple) and value not in allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: allowed "
                                  f"values are {list(allowed)}")

@@ -1,6 +1,6 @@
 """Issue 4, acceptance 3: a failed host backup fails that request alone, with an error.
 
-``debug_fail_backup_of`` makes the host store refuse the first backup of
+``DHISPARSE_TEST_FAIL_BACKUP_OF`` (a test hook read from the environment) makes the host store refuse the first backup of
 request ``r1``; ``eager_backup`` makes that backup happen at admission, right
 after r1's prefill, when vLLM may already free r1's c4a blocks behind the
 device window: r1 can no longer be served exactly.  The worker half reports it
@@ -23,8 +23,8 @@ ARGS = ["--prompt-lens", "2600", "2600", "2600", "--max-tokens", "8", "--max-mod
 
 def test_backup_failure_fails_one_request(demo_model):
     resident = run_offline(demo_model, *ARGS, env=INPROC)
-    got = run_offline(demo_model, *ARGS, "--connector",
-                      json.dumps({"debug_fail_backup_of": "r1", "eager_backup": True}), env=INPROC)
+    got = run_offline(demo_model, *ARGS, "--connector", json.dumps({"eager_backup": True}),
+                      env={**INPROC, "DHISPARSE_TEST_FAIL_BACKUP_OF": "r1"})
     failed = got["outputs"][1]
     assert failed["finish_reason"] == "error", failed
     for i in (0, 2):

@@ -37,6 +37,7 @@ def test_exact_against_resident_with_host_fetches(demo_model, resident):
 def test_corrupted_mapping_is_detected(demo_model, resident):
     """The comparison can fail: one shifted location changes the outputs."""
     bad = run_offline(demo_model, "--prompt-lens", *LENS, "--max-tokens", *MAX_TOKENS,
-                      "--connector", json.dumps({**HIER, "debug_corrupt_mapping": True}))
+                      "--connector", json.dumps(HIER),
+                      env={"DHISPARSE_TEST_CORRUPT_MAPPING": "1"})
     with pytest.raises(AssertionError):
         assert_same_outputs(bad, resident)

@@ -18,7 +18,9 @@ def test_unknown_key_lists_valid_keys():
 
 @pytest.mark.parametrize("key,value,needle", [
     ("reclaim_policy", "random", "largest_first"),
-    ("page_size", 0, ">= 1"),
+    ("tail_pages", 0, ">= 1"),
+    ("host_pool_gib", float("nan"), "finite"),
+    ("host_pool_gib", float("inf"), "finite"),
     ("optional_residency", "yes", "bool"),
     ("tail_pages", True, "int"),
     ("host_pool_gib", -1.0, ">= 0"),
@@ -50,3 +52,29 @@ def test_device_window_knobs():
         DHiSparseConfig.from_extra_config({"device_window_tokens": 100})
     with pytest.raises(ValueError, match="device_pool_pages"):
         DHiSparseConfig.from_extra_config({"device_pool_pages": -1})
+
+
+@pytest.mark.parametrize("key", ["page_size", "debug_corrupt_mapping", "debug_fail_backup_of"])
+def test_unused_and_test_only_keys_are_not_config(key):
+    """page_size did nothing (pages are vLLM blocks); fault injection is an env test hook."""
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config key"):
+        DHiSparseConfig.from_extra_config({key: 1})
+
+
+def test_test_hooks_come_from_the_environment(monkeypatch):
+    from vllm_dhisparse.config import test_hook
+    assert test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF") == ""
+    monkeypatch.setenv("DHISPARSE_TEST_FAIL_BACKUP_OF", "r1")
+    assert test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF") == "r1"
+
+
+def test_stats_file_is_replaced_atomically(tmp_path):
+    pytest.importorskip("vllm")
+    from vllm_dhisparse.integration.worker_side import write_json_atomic
+    target = tmp_path / "stats.json"
+    decoy = tmp_path / f"stats.json.tmp{__import__('os').getpid()}"  # the old predictable name
+    decoy.write_text("keep me")
+    write_json_atomic(str(target), {"a": 1})
+    write_json_atomic(str(target), {"a": 2})
+    assert target.read_text() == '{"a": 2}' and decoy.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, decoy.name])

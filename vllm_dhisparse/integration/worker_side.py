@@ -16,15 +16,17 @@ reaches the hierarchy.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 from vllm.logger import init_logger
 
-from vllm_dhisparse.config import DHiSparseConfig
+from vllm_dhisparse.config import DHiSparseConfig, test_hook
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
 from vllm_dhisparse.hierarchy.pinned import check_host_memory
@@ -58,6 +60,7 @@ class WorkerSide:
     def __init__(self, cfg: DHiSparseConfig, layers: list[SparseLayer], max_model_len: int,
                  max_num_seqs: int, max_spec_queries: int, device: torch.device):
         self.cfg = cfg
+        self.corrupt_mapping = test_hook("DHISPARSE_TEST_CORRUPT_MAPPING") == "1"
         self.layers = {layer.name: layer for layer in layers}
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -253,7 +256,8 @@ class WorkerSide:
                 imported[name] = self._vllm_rows(req, layer, 0, n)
             spec_rows = h.source(name).spec.max_rows
             max_rows[name] = min(spec_rows, -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
-        if self.cfg.debug_fail_backup_of and req.req_id.startswith(self.cfg.debug_fail_backup_of):
+        fail_of = test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF")
+        if fail_of and req.req_id.startswith(fail_of):
             for name in self.layers:
                 h.source(name).host.fail_next_backup_of.add(req.req_id)
         if not h.admit(req.req_id, max_rows, imported):
@@ -334,7 +338,7 @@ class WorkerSide:
             parts.pool.write(dst, self._vllm_rows_at(self.requests[rid], layer, want))
             locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
         self.fresh_selections += int(fresh.sum())
-        if self.cfg.debug_corrupt_mapping:
+        if self.corrupt_mapping:
             _corrupt_one(locs)
         return locs[tok_n, tok_j]
 
@@ -399,7 +403,15 @@ def _corrupt_one(locs: torch.Tensor) -> None:
 
 
 def write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    """Readers see the old file or the new one, never a partial write; the temp file is
+    created exclusively (mkstemp) next to ``path``, so no other file is overwritten."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
