@@ -78,6 +78,13 @@ def corrupt(w, table, value):
         for i in (0, 5):
             put((BAD_SLOT, i), value(w))
         return [1, 44, 45], lambda s: 2
+    if table == "lru_repeat":  # in range, but slot lru[1] named three times: not a permutation
+        for i in (0, 5):
+            put_lru = int(w.lru_order[BAD_SLOT, 1])
+            w.lru_order[BAD_SLOT, i] = put_lru
+            if w.ref is not None:
+                w.ref[STATE_NAMES.index("lru_order")][BAD_SLOT, i] = put_lru
+        return [1, 44, 45], lambda s: 2
     raise AssertionError(table)
 
 
@@ -87,9 +94,9 @@ VALUES = {
     "int32_max": lambda w: I32_MAX,
     "claim_like": lambda w: -(2**30) + 1,  # looks like the kernel's own claim codes
     "just_above": lambda w: {"page_table": w.n_dev_rows - w.page_size + 1, "hot_slot_of": w.B,
-                             "hot_pos": w.P, "lru_order": w.B}[w._table],
+                             "hot_pos": w.P, "lru_order": w.B, "lru_repeat": 0}[w._table],
 }
-TABLES = ("page_table", "hot_slot_of", "hot_pos", "lru_order")
+TABLES = ("page_table", "hot_slot_of", "hot_pos", "lru_order", "lru_repeat")
 
 
 def own_rows(w, slot, batch_row):
@@ -123,6 +130,8 @@ def path(request, monkeypatch):
 @pytest.mark.parametrize("value", sorted(VALUES))
 @pytest.mark.parametrize("table", TABLES)
 def test_one_corrupted_request_among_several(table, value, path):
+    if table == "lru_repeat" and value != "minus7":
+        pytest.skip("the repeated entry is the corruption; the value is not used")
     if table == "hot_slot_of" and value == "just_above" and path != "one_block":
         pytest.skip("one path is enough for the in-range variant of this table")
     copy = None if path == "chunked" else True
@@ -197,3 +206,56 @@ def test_reference_refuses_to_wrap_negative_slots():
     out = w.call(sel, SLOTS, check_bytes=False, copy=True)
     w.check_bytes(sel, SLOTS, out[0])
     assert int(out[4][BAD_ROW, COUNTER_REPAIRS]) == 5 + 2
+
+
+def _direct_call(args, **kw):
+    from vllm_dhisparse.triton_kernels import resolve, resolve_reference
+    ref = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    got = resolve(**args, **kw)
+    want = resolve_reference(**ref, **kw)
+    for name, a, b in zip(OUTPUTS, got, want):
+        assert_same(name, a, b)
+    for name in STATE_NAMES:
+        assert_same(name, args[name], ref[name])
+    return got
+
+
+def _tables(n_slots, budget, positions, n_pages, page_size=4):
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    return dict(page_table=torch.full((n_slots, n_pages), -1, **i32), page_size=page_size,
+                hot_pos=torch.full((n_slots, budget), -1, **i32),
+                hot_rows=torch.arange(n_slots * budget, **i32).view(n_slots, budget),
+                lru_order=torch.arange(budget, **i32).repeat(n_slots, 1),
+                hot_slot_of=torch.full((n_slots, positions), -1, **i32),
+                host_base=torch.zeros(n_slots, dtype=torch.int64, device=DEVICE))
+
+
+def test_no_slots_at_all_every_row_is_padding():
+    """S = 0: nothing may be read from the (empty) tables."""
+    args = dict(selections=torch.tensor([[[0, 1]], [[2, -1]]], dtype=torch.int32, device=DEVICE),
+                slot_ids=torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE),
+                staging_rows=torch.zeros(2, 0, dtype=torch.int32, device=DEVICE),
+                **_tables(0, 4, 8, 2))
+    got = _direct_call(args, num_device_rows=16)
+    assert got[4].tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+
+
+def test_pool_smaller_than_a_page():
+    """R < page_size: every ready-looking page entry is out of range, -1 stays -1."""
+    args = dict(selections=torch.tensor([[[0, 5]]], dtype=torch.int32, device=DEVICE),
+                slot_ids=torch.tensor([0], dtype=torch.int32, device=DEVICE),
+                staging_rows=torch.zeros(1, 0, dtype=torch.int32, device=DEVICE),
+                **_tables(1, 4, 8, 2))
+    args["page_table"][0, 1] = 0
+    got = _direct_call(args, num_device_rows=1)
+    assert int(got[4][0, COUNTER_REPAIRS]) == 1  # the entry 0 of page 1; page 0's -1 is fine
+
+
+def test_budget_beyond_the_count_fields_is_refused():
+    from vllm_dhisparse.triton_kernels import resolve
+    args = dict(selections=torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE),
+                slot_ids=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                staging_rows=torch.zeros(1, 0, dtype=torch.int32, device=DEVICE),
+                **_tables(1, 2**15, 8, 2))
+    with pytest.raises(ValueError, match="B = 32768 hot slots per request must be <= 32767"):
+        resolve(**args, num_device_rows=2**16)

@@ -36,8 +36,10 @@ row with slot s, B hot slots, P positions and R device rows:
 
 * ``slot_ids[n]`` outside ``[-1, S)``: a padding row, one repair.
 * ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1).
-* ``lru_order[s, b]`` outside ``[0, B)``: the call uses the identity order
-  ``0..B-1`` instead (recency is forgotten, contents stay).
+* ``lru_order[s]`` not a permutation of ``0..B-1`` (an entry outside ``[0, B)``, or
+  one repeating a slot named earlier): the call uses the identity order instead
+  (recency is forgotten, contents stay).  Counted once per such entry.  The order
+  is read, checked and rewritten only by calls with a hot hit or a miss.
 * ``page_table[s, p]`` outside ``{-1} ∪ [0, R - page_size]``: the page is
   treated as not ready in this call (the table is only read here; its owner
   republishes it).  Counted once per selection that reads it.
@@ -47,9 +49,8 @@ row with slot s, B hot slots, P positions and R device rows:
 * A filled slot unlinks its old row only where ``hot_slot_of`` points back.
 
 ``hot_rows``, ``staging_rows`` and ``host_base`` are the slot's placement,
-written once at admission from the allocators, and trusted.  An in-range but
-duplicated ``lru_order`` entry is not detected: only the resolver and the slot
-reset write that table.
+written once at admission from the allocators, and trusted.  ``R - page_size``
+is taken as -1 when the pool has fewer rows than a page.
 """
 from __future__ import annotations
 
@@ -103,10 +104,10 @@ def resolve_reference(
         # 0. the slot's hot-cache tables: out-of-range entries degrade to empty
         order = lru_order[slot].long()
         lru_bad = (order < 0) | (order >= budget)
+        in_range = order[~lru_bad]
+        repeats = in_range.numel() - torch.unique(in_range).numel()
         hp_bad = (hot_pos[slot] < -1) | (hot_pos[slot] >= max_pos)
-        repairs = int(lru_bad.sum()) + int(hp_bad.sum())
-        if bool(lru_bad.any()):
-            order = arange_b.clone()
+        repairs = int(hp_bad.sum())
         hot_pos[slot, hp_bad] = -1
 
         sel = selections[n].reshape(-1).long()  # [K*k]
@@ -118,7 +119,7 @@ def resolve_reference(
         page = pos // page_size
         in_table = page < max_pages
         page_base = torch.where(in_table, page_table[slot, page.clamp(max=max_pages - 1)].long(), -1)
-        pt_bad = valid & ((page_base < -1) | (page_base > num_device_rows - page_size))
+        pt_bad = valid & ((page_base < -1) | (page_base > max(num_device_rows - page_size, -1)))
         direct = valid & (page_base >= 0) & ~pt_bad
         loc[direct] = page_base[direct] + pos[direct] % page_size
 
@@ -134,8 +135,15 @@ def resolve_reference(
         touched = torch.zeros(budget, dtype=torch.bool, device=dev)
         touched[v[hot]] = True
 
-        # 3. distinct misses, ascending position, take untouched LRU victims
+        # 3. distinct misses, ascending position, take untouched LRU victims.  lru_order is
+        #    read (checked, and rewritten) only by a call with hits or misses; an order
+        #    that is not a permutation of the slots is replaced by the identity
         host = nondirect & ~hot
+        uses_lru = bool(hot.any()) or bool(host.any())
+        if uses_lru:
+            repairs += int(lru_bad.sum()) + repeats
+            if bool(lru_bad.any()) or repeats:
+                order = arange_b.clone()
         hot_slot_of[slot, pos[host & (v != -1)]] = -1
         missing = torch.unique(pos[host])  # sorted ascending
         victims = order[~touched[order]]
@@ -156,7 +164,8 @@ def resolve_reference(
         touched[fill_slots] = True
         dst = torch.cat([hot_rows[slot, fill_slots].long(),
                          staging_rows[n, :n_stage].long()])
-        lru_order[slot] = torch.cat([order[~touched[order]], order[touched[order]]]).to(lru_order.dtype)
+        if uses_lru:
+            lru_order[slot] = torch.cat([order[~touched[order]], order[touched[order]]]).to(lru_order.dtype)
 
         # every selection of a missing row gets that row's location
         idx = torch.searchsorted(missing, pos[host])

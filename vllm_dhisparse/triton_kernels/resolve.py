@@ -9,7 +9,9 @@ program (batch row n, request slot s), separated by CTA barriers; the passes
 after phase 1 run only when their counts are non-zero:
 
   0. the slot's lru_order and hot_pos rows are range-checked (loaded while phase 1
-     waits on its own loads); out-of-range entries are repaired in 1b.
+     waits on its own loads); out-of-range hot_pos entries are emptied in 1b, and
+     phase 3 (the only reader of lru_order) also checks that the order is a
+     permutation, replacing it by the identity when it is not.
   1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
      -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
      -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
@@ -43,8 +45,8 @@ Requests in a batch must have distinct slots (the programs update per-slot state
 without synchronisation); slot -1 is a padding row.  Bounds: every index read
 from page_table, hot_slot_of, hot_pos and lru_order is range-checked as the
 reference specifies (out-of-range entries degrade to empty and are counted in
-column 4 of the counters); selections outside [0, P) are padding.  No state of
-the call's entry can make a program read or write outside its slot's table rows.
+column 4 of the counters; an lru_order that is not a permutation is replaced by
+the identity before phase 3 walks it); selections outside [0, P) are padding.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused
 _COPY_ELEMS = 4096  # words in flight per step of the fused copy
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MARK_STORE = True  # in-place LRU modes: hits mark their slot with a store (no atomic)
-_MAX_BUDGET = 2**16 - 1  # B: the entry-state check counts bad entries in 16-bit fields
+_MAX_BUDGET = 2**15 - 1  # B: bad-entry counts share an int32 in 16-bit fields
 
 
 def _num_warps(sort_max: int) -> int:
@@ -136,6 +138,29 @@ def _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B: tl.constexpr,
         acc += (mb & ((order < 0) | (order >= B))).to(tl.int32)
         acc += (mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32) << 16
     return tl.sum(acc)
+
+
+@triton.jit
+def _repeated_slots(lru_row, order_ptr, B, BLOCK_B: tl.constexpr):
+    """In-range lru_order entries that repeat a slot: each entry writes its position at
+    its slot in scratch, and an entry that reads back another position is a repeat
+    (in-range entries minus distinct slots).  Leaves the scratch free again."""
+    offs = tl.arange(0, BLOCK_B)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + offs
+        order = tl.load(lru_row + b, mask=b < B, other=-1)
+        tl.store(order_ptr + order, b, mask=(b < B) & (order >= 0) & (order < B))
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK_B], tl.int32)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + offs
+        order = tl.load(lru_row + b, mask=b < B, other=-1)
+        inr = (b < B) & (order >= 0) & (order < B)
+        back = tl.load(order_ptr + order, mask=inr, other=0)
+        acc += (inr & (back != b)).to(tl.int32)
+    n = tl.sum(acc)
+    tl.debug_barrier()  # every read back before the scratch is reused
+    return n
 
 
 @triton.jit
@@ -251,7 +276,7 @@ def _resolve_kernel(
     miss_dst_ptr,  # [N, W] int32 out
     miss_count_ptr,  # [N] int32 out
     counters_ptr,  # [N, 5] int32 out
-    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX (+ B)]: key | miss pos | owner | order
+    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX + B]: key | miss pos | owner | order
     copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -271,7 +296,7 @@ def _resolve_kernel(
     key_ptr = scratch_ptr + n * scratch_stride  # [W] host: pos, hit: -2 - pos, else -1
     mpos_ptr = key_ptr + W  # [SORT_MAX] position of miss rank r
     mj_ptr = mpos_ptr + SORT_MAX  # [W] the selection j that owns miss rank r
-    order_ptr = mj_ptr + W  # [B] new lru order (LRU_MODE 0 only)
+    order_ptr = mj_ptr + W  # [B] permutation check, then the new lru order (LRU_MODE 0)
     sel_row = sel_ptr + n * sel_stride
     loc_row = loc_ptr + n * W
     miss_src_row = miss_src_ptr + n * W
@@ -328,19 +353,18 @@ def _resolve_kernel(
             n_hot += ((pc >> 13) & 0x1FFF).to(tl.int32)
             n_host += ((pc >> 26) & 0x1FFF).to(tl.int32)
             repairs += (pc >> 39).to(tl.int32)
-    n_lru_bad = state & 0xFFFF
+    n_lru_bad = state & 0xFFFF  # counted in phase 3, the only reader of lru_order
     n_hp_bad = state >> 16
-    repairs += n_lru_bad + n_hp_bad
+    repairs += n_hp_bad
     tl.debug_barrier()  # every lookup read the entry state before any lane writes it
 
     # 1b. repairs of the slot's tables, then hits mark their slot, misses claim their row
     if LRU_MODE == 1:
         tl.store(hot_pos_row + offs_b, tl.zeros_like(hp_all) - 1, mask=hp_bad_all)
-        if n_lru_bad > 0:  # recency forgotten, contents kept
-            lru_all = offs_b
     else:
         if n_hp_bad > 0:
             _empty_bad_slots(hot_pos_row, B, max_pos, BLOCK_B)
+            tl.debug_barrier()  # re-read hot_pos above: no mark may land before that read
     n_touch = 0  # distinct hot slots hit (atomic marking only)
     if ONE_CHUNK:
         n_touch += _mark_and_claim(pos, v, hot, host, j, hot_pos_row, hso_row, CLAIM, MARK_STORE)
@@ -359,7 +383,7 @@ def _resolve_kernel(
     # 2. distinct misses: owners are compacted, the few distinct positions sorted
     #    (ascending = host-address order), ranks scattered back
     n_miss = 0
-    base = tl.load(host_base_ptr + slot)
+    base = tl.load(host_base_ptr + slot, mask=real, other=0)
     if n_host > 0:
         for w0 in range(0, W, BLOCK_W):
             j2 = w0 + offs_w
@@ -393,11 +417,26 @@ def _resolve_kernel(
     n_fill = 0
     if n_hot + n_miss > 0:  # n_hot > 0 iff a slot was touched
         if LRU_MODE == 1:
+            # lru_order must be a permutation of the slots, else the identity is used:
+            # each in-range entry writes its position at its slot, a repeat reads back
+            # another one; marks are counted over the slots in place (order-free)
             mb = offs_b < B
-            hp = tl.load(hot_pos_row + lru_all, mask=mb, other=-1)
+            inr = mb & (lru_all >= 0) & (lru_all < B)
+            tl.store(order_ptr + lru_all, offs_b, mask=inr)
+            tl.debug_barrier()
+            back = tl.load(order_ptr + lru_all, mask=inr, other=0)
+            hp_lin = tl.load(hot_pos_row + offs_b, mask=mb, other=-1)
+            hp = tl.load(hot_pos_row + lru_all, mask=inr, other=-1)
+            counts = tl.sum((inr & (back != offs_b)).to(tl.int32)
+                            + ((mb & (hp_lin < -1)).to(tl.int32) << 16))
+            n_bad_order = n_lru_bad + (counts & 0xFFFF)
+            repairs += n_bad_order
+            identity = n_bad_order > 0  # recency forgotten, contents kept
+            lru_all = tl.where(identity, offs_b, lru_all)
+            hp = tl.where(identity, hp_lin, hp)
             n_untouched = B - n_touch
             if MARK_STORE:  # every slot is in this block: count the marks here
-                n_untouched = B - tl.sum((mb & (hp < -1)).to(tl.int32))
+                n_untouched = B - (counts >> 16)
             n_fill = tl.minimum(n_miss, n_untouched)
             new_at, _ = _lru_block(lru_all, hp, offs_b, mb, 0, n_fill, n_untouched - n_fill,
                                    mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, hso_row,
@@ -405,10 +444,12 @@ def _resolve_kernel(
             tl.debug_barrier()  # every lru entry read before any is overwritten
             tl.store(lru_row + new_at, lru_all, mask=mb)
         else:
+            n_repeats = _repeated_slots(lru_row, order_ptr, B, BLOCK_B)
+            repairs += n_lru_bad + n_repeats
+            identity = (n_lru_bad + n_repeats) > 0  # not a permutation: identity order
             n_untouched = B - n_touch
             n_fill = tl.minimum(n_miss, n_untouched)
             n_left = n_untouched - n_fill  # untouched after the fills: front of new order
-            identity = n_lru_bad > 0
             run = 0
             for b0 in range(0, B, BLOCK_B):
                 b = b0 + offs_b
@@ -631,7 +672,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     else:
         lru_mode, block_b = 0, min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
     sort_max = max(16, triton.next_power_of_2(max(width, 1)))
-    scratch = torch.empty(n_batch, 2 * width + sort_max + (budget if lru_mode == 0 else 0),
+    scratch = torch.empty(n_batch, 2 * width + sort_max + budget,
                           dtype=torch.int32, device=dev)
     if fused:
         copy_src, copy_dst, row_elems = views
