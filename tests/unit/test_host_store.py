@@ -159,3 +159,32 @@ def test_pinned_pool_is_exactly_sized_and_readable_by_kernels():
     dst = torch.arange(16, dtype=torch.int32, device="cuda").view(1, 16)
     gather_rows(rows, dev, src, dst, torch.tensor([16], dtype=torch.int32, device="cuda"))
     assert torch.equal(dev.cpu(), rows[100:116])
+
+
+def test_registered_region_unregisters_before_it_unmaps():
+    """The host pool's mapping outlives every view of it, and the CUDA registration ends
+    before the memory is returned (never after: another mapping could inherit it)."""
+    import gc
+
+    from vllm_dhisparse.hierarchy import pinned
+    events = []
+    buf = pinned.host_buffer(3 * 4096 + 5, pin=True,
+                             register=lambda p, n: events.append(("register", n)) or 0,
+                             unregister=lambda p: events.append(("unregister", p)))
+    munmap = pinned._Region.__del__
+
+    def spy(self):
+        events.append(("del",))
+        munmap(self)
+    pinned._Region.__del__ = spy
+    try:
+        view = buf[100:200].view(10, 10)
+        view.fill_(7)
+        del buf
+        gc.collect()
+        assert events == [("register", 3 * 4096 + 5)] and int(view.sum()) == 700
+        del view
+        gc.collect()
+        assert [e[0] for e in events] == ["register", "del", "unregister"]
+    finally:
+        pinned._Region.__del__ = munmap

@@ -156,10 +156,15 @@ class ResidencyManager:
         # 1. two-phase backup of device-only rows; an exception leaves every page in place
         backed = self.host.backed(req_id)
         issued = []
-        for page, dev in sorted(rec.optional.items()):
-            if not bool(backed[page * ps:(page + 1) * ps].all()):
-                src = self.pool.plane_rows(self.pool.first_row(dev), ps)
-                issued.append(self.host.prepare_backup(req_id, page * ps, src))
+        try:
+            for page, dev in sorted(rec.optional.items()):
+                if not bool(backed[page * ps:(page + 1) * ps].all()):
+                    src = self.pool.plane_rows(self.pool.first_row(dev), ps)
+                    issued.append(self.host.prepare_backup(req_id, page * ps, src))
+        except BaseException:  # the caller may free the extent: no copy may still write it
+            for pending in issued:
+                pending.transfer.wait()
+            raise
         for pending in issued:
             self.host.complete_backup(pending)
         self.counters.host_pages_written += len(issued)
