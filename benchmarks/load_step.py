@@ -45,6 +45,7 @@ def run_arm(args) -> dict:
                  repopulate_pages_per_step=args.repopulate)
     llm = LLM(model=args.model, enforce_eager=True, block_size=256, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.kv_fraction, seed=0,
+              enable_prefix_caching=False, enable_chunked_prefill=False,
               kv_transfer_config={"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": extra})
     worker = get_kv_transfer_group().dhisparse_worker

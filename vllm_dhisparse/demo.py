@@ -47,7 +47,10 @@ def server_command(model: str, port: int, extra: dict, max_model_len: int) -> li
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
            "--kv-transfer-config", json.dumps(transfer), "--seed", "0",
-           "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
+           # the connector refuses both (integration/support.py); without chunked prefill
+           # a step must hold a whole prompt
+           "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+           "--max-num-batched-tokens", str(max_model_len)]
     if _on_cpu():
         cmd += ["--enforce-eager", "--block-size", "256", "--gpu-memory-utilization", "0.2",
                 "--max-num-seqs", "8"]
