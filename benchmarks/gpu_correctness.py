@@ -127,16 +127,15 @@ class Setup:
         bad_hso = [i32[i % 4] if i % 5 else B + i for i in range(rows.numel())]
         empty = (self.hot_pos[s] < 0).nonzero().flatten()[:2]  # never-held slots go bad too
         ready = self.ready[s].nonzero().flatten()[:1]
-        for table, shadow in zip((self.hot_pos, self.lru_order, self.hot_slot_of), self.shadow):
-            for t in (table, shadow):
-                if t is self.hot_slot_of or t is self.shadow[2]:
-                    t[s, rows] = torch.tensor(bad_hso, dtype=torch.int32, device=self.dev)
-                elif t is self.hot_pos or t is self.shadow[0]:
-                    t[s, empty] = torch.tensor([P, -5][:empty.numel()], dtype=torch.int32,
-                                               device=self.dev)
-                else:
-                    t[s, :3] = torch.tensor([-1, B, 2**31 - 1][:min(3, B)], dtype=torch.int32,
-                                            device=self.dev)
+        hp_shadow, lru_shadow, hso_shadow = self.shadow
+        bad_hp = torch.tensor([P, -5][:empty.numel()], dtype=torch.int32, device=self.dev)
+        bad_lru = torch.tensor([-1, B, 2**31 - 1][:min(3, B)], dtype=torch.int32, device=self.dev)
+        bad_hso = torch.tensor(bad_hso, dtype=torch.int32, device=self.dev)
+        for hso, hp, lru in ((self.hot_slot_of, self.hot_pos, self.lru_order),
+                             (hso_shadow, hp_shadow, lru_shadow)):
+            hso[s, rows] = bad_hso
+            hp[s, empty] = bad_hp
+            lru[s, :bad_lru.numel()] = bad_lru
         if ready.numel():  # a ready page's entry beyond the device pool (read-only table)
             self.page_table[s, int(ready[0])] = self.device_rows.shape[0]
         sel = sel.clone()

@@ -29,7 +29,6 @@ from vllm.logger import init_logger
 from vllm_dhisparse.config import DHiSparseConfig, test_hook
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
-from vllm_dhisparse.hierarchy.pinned import check_host_memory
 from vllm_dhisparse.hierarchy.specs import ResidencyConfig, SourceSpec
 
 from .metadata import DHiSparseMetadata
@@ -61,6 +60,7 @@ class WorkerSide:
                  max_num_seqs: int, max_spec_queries: int, device: torch.device):
         self.cfg = cfg
         self.corrupt_mapping = test_hook("DHISPARSE_TEST_CORRUPT_MAPPING") == "1"
+        self.fail_backup_of = test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF")
         self.layers = {layer.name: layer for layer in layers}
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -128,8 +128,6 @@ class WorkerSide:
                 host_rows=host_rows, hot_rows=hot, tail_pages=self.cfg.tail_pages,
                 max_slots=self.max_num_seqs, max_rows=layer_rows, staging_rows=staging,
                 segments=layer.segments))
-        check_host_memory(sum(sp.host_rows * sp.row_bytes for sp in specs),
-                          f"kv_connector_extra_config['host_pool_gib'] = {self.cfg.host_pool_gib}")
         residency = ResidencyConfig(
             admission_reserve_pages=self.cfg.admission_reserve_pages,
             repopulate_pages_per_step=self.cfg.repopulate_pages_per_step,
@@ -256,8 +254,7 @@ class WorkerSide:
                 imported[name] = self._vllm_rows(req, layer, 0, n)
             spec_rows = h.source(name).spec.max_rows
             max_rows[name] = min(spec_rows, -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
-        fail_of = test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF")
-        if fail_of and req.req_id.startswith(fail_of):
+        if self.fail_backup_of and req.req_id.startswith(self.fail_backup_of):
             for name in self.layers:
                 h.source(name).host.fail_next_backup_of.add(req.req_id)
         if not h.admit(req.req_id, max_rows, imported):

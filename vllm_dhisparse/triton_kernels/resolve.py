@@ -175,15 +175,15 @@ def _empty_bad_slots(hot_pos_row, B, max_pos, BLOCK_B: tl.constexpr):
 
 @triton.jit
 def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row, hot_rows_row,
-            max_pos, B, PAGE_SIZE: tl.constexpr):
-    """Phase 1 lookups of selections ``j`` on the entry state; writes nothing.
+            max_pos, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
+    """Phase 1 lookups of selections ``j`` on the entry state; writes no state table,
+    only the lanes' locations and keys (host: pos, hit: -2 - pos, else -1).
 
     Every table entry is range-checked before it is used as an index: a page_table
     entry outside {-1} u [0, R - PAGE_SIZE] is a page not ready, a hot_slot_of entry
     is a hit only when it is a slot whose hot_pos points back at the row.  Returns the
     lanes' position, hot_slot_of entry, location, key (host: pos, hit: -2 - pos,
-    else -1), hit and host masks, and the chunk's counts packed in 13-bit fields
-    (direct, hot, host, repairs)."""
+    else -1), hit and host masks, and the chunk's direct, hot, host and repair counts."""
     sel = tl.load(sel_row + j, mask=m, other=-1)
     valid = m & real & (sel >= 0) & (sel < max_pos)
     pos = tl.where(valid, sel, 0)
@@ -201,11 +201,14 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_ro
     host = nondirect & ~hot
     hso_bad = nondirect & (v != -1) & ~hot
     loc = tl.where(direct, pt + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
-    key = tl.where(host, pos, tl.where(hot, -2 - pos, -1))
+    tl.store(loc_row + j, loc, mask=m)
+    tl.store(key_ptr + j, tl.where(host, pos, tl.where(hot, -2 - pos, -1)), mask=m)
     # one reduction for four counts; a chunk holds at most BLOCK_W <= 2**12 selections
-    packed = (direct.to(tl.int64) + (hot.to(tl.int64) << 13) + (host.to(tl.int64) << 26)
-              + ((pt_bad.to(tl.int64) + hso_bad.to(tl.int64)) << 39))
-    return pos, v, loc, key, hot, host, tl.sum(packed)
+    packed = tl.sum(direct.to(tl.int64) + (hot.to(tl.int64) << 13) + (host.to(tl.int64) << 26)
+                    + ((pt_bad.to(tl.int64) + hso_bad.to(tl.int64)) << 39))
+    return (pos, v, hot, host, (packed & 0x1FFF).to(tl.int32),
+            ((packed >> 13) & 0x1FFF).to(tl.int32), ((packed >> 26) & 0x1FFF).to(tl.int32),
+            (packed >> 39).to(tl.int32))
 
 
 @triton.jit
@@ -321,7 +324,7 @@ def _resolve_kernel(
     else:
         state = _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B, N_CHUNKS_B)
 
-    # 1a. lookups on the entry state: direct -> hot -> host (no writes yet)
+    # 1a. lookups on the entry state: direct -> hot -> host (no state table written yet)
     n_direct = 0
     n_hot = 0
     n_host = 0
@@ -330,29 +333,22 @@ def _resolve_kernel(
     if ONE_CHUNK:
         j = offs_w
         m = j < W
-        pos, v, loc, key, hot, host, packed = _lookup(
+        pos, v, hot, host, n_direct, n_hot, n_host, rep1 = _lookup(
             sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
-            hot_rows_row, max_pos, B, PAGE_SIZE)
-        tl.store(loc_row + j, loc, mask=m)
-        tl.store(key_ptr + j, key, mask=m)
-        n_direct += (packed & 0x1FFF).to(tl.int32)
-        n_hot += ((packed >> 13) & 0x1FFF).to(tl.int32)
-        n_host += ((packed >> 26) & 0x1FFF).to(tl.int32)
-        repairs += (packed >> 39).to(tl.int32)
+            hot_rows_row, max_pos, B, loc_row, key_ptr, PAGE_SIZE)
+        repairs += rep1
     else:
         for w0 in range(0, W, BLOCK_W):
             jc = w0 + offs_w
             mc = jc < W
-            _, vc, lc, kc, _, _, pc = _lookup(
+            _, vc, _, _, n_dir_c, n_hot_c, n_host_c, n_rep_c = _lookup(
                 sel_row, jc, mc, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
-                hot_rows_row, max_pos, B, PAGE_SIZE)
-            tl.store(loc_row + jc, lc, mask=mc)
-            tl.store(key_ptr + jc, kc, mask=mc)
+                hot_rows_row, max_pos, B, loc_row, key_ptr, PAGE_SIZE)
             tl.store(mj_ptr + jc, vc, mask=mc)  # entry values for 1b (mj is free until phase 2)
-            n_direct += (pc & 0x1FFF).to(tl.int32)
-            n_hot += ((pc >> 13) & 0x1FFF).to(tl.int32)
-            n_host += ((pc >> 26) & 0x1FFF).to(tl.int32)
-            repairs += (pc >> 39).to(tl.int32)
+            n_direct += n_dir_c
+            n_hot += n_hot_c
+            n_host += n_host_c
+            repairs += n_rep_c
     n_lru_bad = state & 0xFFFF  # counted in phase 3, the only reader of lru_order
     n_hp_bad = state >> 16
     repairs += n_hp_bad
