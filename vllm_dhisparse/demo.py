@@ -41,16 +41,16 @@ def build_demo_model(out: str) -> str:
     return out
 
 
-def server_command(model: str, port: int, extra: dict, max_model_len: int) -> list[str]:
-    transfer = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": extra}
+def server_command(model: str, port: int, extra: dict | None, max_model_len: int) -> list[str]:
+    """vLLM's OpenAI server on 127.0.0.1; ``extra`` = the connector's extra config, or
+    None for resident serving (the same server without the connector)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-           "--kv-transfer-config", json.dumps(transfer), "--seed", "0",
-           # the connector refuses both (integration/support.py); without chunked prefill
-           # a step must hold a whole prompt
-           "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
-           "--max-num-batched-tokens", str(max_model_len)]
+           "--seed", "0"]
+    if extra is not None:
+        transfer = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra}
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
     if _on_cpu():
         cmd += ["--enforce-eager", "--block-size", "256", "--gpu-memory-utilization", "0.2",
                 "--max-num-seqs", "8"]

@@ -13,18 +13,16 @@ def served(monkeypatch, argv):
     return seen["args"]
 
 
-def test_serve_adds_the_connector_and_turns_off_what_it_refuses(monkeypatch):
+def test_serve_adds_the_connector_and_keeps_vllms_defaults(monkeypatch):
     args = served(monkeypatch, ["demo_model", "--port", "8001"])
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "DHiSparseConnector"
-    assert "--no-enable-prefix-caching" in args
-    assert "--no-enable-chunked-prefill" not in args  # the prompt budget is unknown here
-    args = served(monkeypatch, ["demo_model", "--max-model-len=8192"])
-    assert args[-3:] == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    assert args[-6:-2] == ["--model", "demo_model", "--port", "8001"]
+    assert not [a for a in args if "prefix-caching" in a or "chunked-prefill" in a]
 
 
-@pytest.mark.parametrize("flag", ["--enable-prefix-caching", "--enable-chunked-prefill"])
-def test_serve_keeps_the_users_choice(monkeypatch, flag):
-    args = served(monkeypatch, ["demo_model", "--max-model-len", "4096", flag])
-    name = flag.replace("--no-enable-", "").replace("--enable-", "")
-    assert [a for a in args if name in a] == [flag]
+def test_serve_keeps_the_users_transfer_config(monkeypatch):
+    mine = json.dumps({"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"hot_cache_rows": 1024}})
+    args = served(monkeypatch, ["demo_model", "--kv-transfer-config", mine])
+    assert [a for a in args if a.startswith("{")] == [mine]

@@ -26,12 +26,16 @@ LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_blo
 NUM_BLOCKS = 40
 fresh_newest_blocks = WS.newest_blocks  # unpatched, for a map built from scratch
 
-# "a" decodes 2 queries per step (admitted at step 1, a new block in each group at step 2);
-# "b" is in prefill (never admitted).  Block tables as vLLM hands them: rows a, b.
+# "a" completes its 40-token prefill in step 0 (admitted after that forward), then decodes 2
+# queries per step (a new block in each group at step 2); "b" is in prefill in step 1 and
+# completes it in step 2.  Block tables as vLLM hands them: rows a, b.
+PREFILL = DHiSparseMetadata(step=0, requests=[
+    RequestStep("a", 0, 40, prompt_len=40, block_ids=([10, 11, 12], [20, 21, 22, 23, 24, 25]),
+                replace_blocks=True, max_tokens=40, completes_prefill=True)])
 STEPS = [
     dict(meta=DHiSparseMetadata(step=1, requests=[
-        RequestStep("a", 40, 2, prompt_len=40, block_ids=([10, 11, 12], [20, 21, 22, 23, 24, 25]),
-                    replace_blocks=True, max_tokens=40),
+        RequestStep("a", 40, 2, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=40),
         RequestStep("b", 0, 16, prompt_len=30, block_ids=([13, 14], [26, 27, 28, 29]),
                     replace_blocks=True, max_tokens=10)]),
          tables=([[10, 11, 12, 0], [13, 14, 0, 0]],
@@ -41,7 +45,7 @@ STEPS = [
         RequestStep("a", 48, 2, prompt_len=40, block_ids=([15], [30]), replace_blocks=False,
                     max_tokens=40),
         RequestStep("b", 16, 14, prompt_len=30, block_ids=([], []), replace_blocks=False,
-                    max_tokens=10)]),
+                    max_tokens=10, completes_prefill=True)]),
          tables=([[10, 11, 12, 15], [13, 14, 0, 0]],
                  [[20, 21, 22, 23, 24, 25, 30], [26, 27, 28, 29, 0, 0, 0]]),
          seq_lens=[50, 30]),
@@ -60,6 +64,9 @@ def make_worker() -> WS.WorkerSide:
         layer.name: torch.randint(0, 256, (NUM_BLOCKS, layer.rows_per_block * layer.row_bytes),
                                   dtype=torch.uint8, generator=g)
         for layer in LAYERS})
+    w.begin_step(PREFILL)
+    w.end_step()
+    assert w.requests["a"].admitted
     return w
 
 

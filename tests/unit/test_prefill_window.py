@@ -1,0 +1,127 @@
+"""When the c4a window may free blocks: only after a request's (re)prefill is complete.
+
+The scheduler half decides per step (chunked prefill, prefix hits, resumption
+after preemption) and records the computed-token count in ``WINDOW_FROM``; the
+window manager frees nothing for a request before that.  No vLLM engine: fake
+requests and scheduler outputs, and the manager's method on a fake manager.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="the scheduler half imports vLLM's connector types")
+
+from vllm_dhisparse.integration.kv_spec import WINDOW_FROM, DHiSparseWindowManager  # noqa: E402
+from vllm_dhisparse.integration.scheduler_side import SchedulerSide  # noqa: E402
+
+
+def request(rid: str, prompt: int, outputs: int = 0):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_tokens=prompt + outputs,
+                           sampling_params=SimpleNamespace(max_tokens=16))
+
+
+def output(new=(), cached=(), resumed=(), preempted=(), finished=()):
+    """new / cached: (rid, num_computed_tokens, num_scheduled_tokens)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=([1],),
+                                            prompt_token_ids=None) for r, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached],
+            new_block_ids=[([2],) for _ in cached], resumed_req_ids=set(resumed)),
+        num_scheduled_tokens={r: n for r, _, n in (*new, *cached)},
+        preempted_req_ids=set(preempted), finished_req_ids=set(finished))
+
+
+def completes(meta) -> dict[str, bool]:
+    return {rs.req_id: rs.completes_prefill for rs in meta.requests}
+
+
+@pytest.fixture
+def side():
+    WINDOW_FROM.clear()
+    yield SchedulerSide(max_model_len=8192)
+    WINDOW_FROM.clear()
+
+
+def test_chunked_prefill_completes_on_its_last_chunk(side):
+    side.on_new_request(request("a", 2600))
+    assert completes(side.build_connector_meta(output(new=[("a", 0, 1000)]))) == {"a": False}
+    assert completes(side.build_connector_meta(output(cached=[("a", 1000, 1000)]))) == {"a": False}
+    assert "a" not in WINDOW_FROM  # the second and third chunks read the first one's blocks
+    assert completes(side.build_connector_meta(output(cached=[("a", 2000, 600)]))) == {"a": True}
+    assert WINDOW_FROM["a"] == 2600
+    assert completes(side.build_connector_meta(output(cached=[("a", 2600, 1)]))) == {"a": False}
+
+
+def test_prefix_hit_then_the_rest_of_the_prompt(side):
+    side.on_new_request(request("b", 3000))
+    meta = side.build_connector_meta(output(new=[("b", 2816, 184)]))
+    assert completes(meta) == {"b": True} and WINDOW_FROM["b"] == 3000
+
+
+def test_preemption_restarts_the_prefill_over_prompt_and_outputs(side):
+    req = request("c", 2600)
+    side.on_new_request(req)
+    side.build_connector_meta(output(new=[("c", 0, 2600)]))
+    assert WINDOW_FROM["c"] == 2600
+    req.num_tokens = 2610  # ten outputs, then preempted: every block freed
+    side.build_connector_meta(output(preempted=["c"]))
+    assert "c" not in WINDOW_FROM
+    # resumed with a prefix hit, re-prefilled in chunks: the prompt alone is not enough
+    meta = side.build_connector_meta(output(cached=[("c", 2304, 300)], resumed=["c"]))
+    assert completes(meta) == {"c": False} and "c" not in WINDOW_FROM
+    meta = side.build_connector_meta(output(cached=[("c", 2604, 6)]))
+    assert completes(meta) == {"c": True} and WINDOW_FROM["c"] == 2610
+
+
+def test_preempted_and_resumed_in_one_step(side):
+    req = request("d", 1000)
+    side.on_new_request(req)
+    side.build_connector_meta(output(new=[("d", 0, 1000)]))
+    req.num_tokens = 1003
+    meta = side.build_connector_meta(output(cached=[("d", 0, 1003)], resumed=["d"],
+                                            preempted=["d"]))
+    assert completes(meta) == {"d": True} and WINDOW_FROM["d"] == 1003
+
+
+def test_finish_forgets_the_request(side):
+    req = request("e", 600)
+    side.on_new_request(req)
+    side.build_connector_meta(output(new=[("e", 0, 600)]))
+    side.request_finished(req)
+    assert "e" not in WINDOW_FROM
+    assert side.build_connector_meta(output()).finished == {"e"}
+
+
+class FakeManager:
+    """What ``remove_skipped_blocks`` uses of a vLLM single-type manager."""
+    block_size = 64
+
+    def __init__(self, window: int, blocks: int):
+        self.device_window_tokens = window
+        self.req_to_blocks = {"r": list(range(blocks))}
+        self.freed: list[tuple[int, int]] = []
+
+    def _remove_blocks_in_range(self, rid, first, last):
+        self.freed.append((first, last))
+
+    remove_skipped_blocks = DHiSparseWindowManager.remove_skipped_blocks
+
+
+@pytest.mark.parametrize("start,processed,freed", [
+    (None, 3000, []),  # prefill (or prefix hit) not complete: nothing skipped
+    (2600, 2000, []),  # chunked prefill still below its end
+    (2600, 2600, [(0, 32)]),  # (2600 - 512) // 64 whole blocks behind the window
+    (2600, 2700, [(0, 34)]),
+    (400, 450, []),  # the window covers everything
+])
+def test_window_manager_frees_only_after_the_prefill(start, processed, freed):
+    WINDOW_FROM.clear()
+    if start is not None:
+        WINDOW_FROM["r"] = start
+    m = FakeManager(window=512, blocks=50)
+    m.remove_skipped_blocks("r", processed, num_prompt_tokens=2600)
+    assert m.freed == freed
+    WINDOW_FROM.clear()
