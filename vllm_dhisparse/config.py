@@ -41,7 +41,22 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
 TEST_HOOK_ENV = {
     "DHISPARSE_TEST_CORRUPT_MAPPING": "1: shift one resolved location so outputs must differ",
     "DHISPARSE_TEST_FAIL_BACKUP_OF": "request id prefix whose first host backup fails",
+    "DHISPARSE_TEST_FAIL": "POINT:PREFIX[,...]: raise in the worker's POINT (admit, append, "
+                           "resolve) for requests whose id starts with PREFIX",
 }
+FAULT_POINTS = ("admit", "append", "resolve")
+
+
+def parse_fault_hook(value: str) -> dict[str, tuple[str, ...]]:
+    """``DHISPARSE_TEST_FAIL`` -> {point: request id prefixes}."""
+    out: dict[str, tuple[str, ...]] = {}
+    for item in filter(None, (v.strip() for v in value.split(","))):
+        point, _, prefix = item.partition(":")
+        if point not in FAULT_POINTS or not prefix:
+            raise ValueError(f"DHISPARSE_TEST_FAIL item {item!r}: expected POINT:PREFIX with "
+                             f"POINT one of {', '.join(FAULT_POINTS)}")
+        out[point] = out.get(point, ()) + (prefix,)
+    return out
 
 
 def test_hook(name: str) -> str:

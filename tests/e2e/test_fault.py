@@ -1,13 +1,15 @@
-"""Issue 4, acceptance 3: a failed host backup fails that request alone, with an error.
+"""A failure in one request's hierarchy work fails that request alone, with an error.
 
-``DHISPARSE_TEST_FAIL_BACKUP_OF`` (a test hook read from the environment) makes the host store refuse the first backup of
-request ``r1``; ``eager_backup`` makes that backup happen at admission, right
-after r1's prefill, when vLLM may already free r1's c4a blocks behind the
-device window: r1 can no longer be served exactly.  The worker half reports it
-in its ``KVConnectorWorkerMetadata``; the scheduler hook
-(``integration/scheduler_hooks.py``) finishes it with ``FINISHED_ERROR``
-(finish reason ``"error"``).  Every other request must finish with the tokens of resident serving (logprobs
-to bf16 rounding: without r1 the later batches differ from resident serving's).
+Test hooks read from the environment of the vLLM process: ``DHISPARSE_TEST_FAIL_BACKUP_OF``
+makes the host store refuse the first backup of r1 (``eager_backup`` makes that backup
+happen at admission, right after r1's prefill, when vLLM may already free r1's c4a
+blocks behind the device window: r1 can no longer be served exactly);
+``DHISPARSE_TEST_FAIL`` raises in the worker's admission of r2, the first append of r3's
+committed rows and the first resolve of r4.  The worker half reports each in its
+``KVConnectorWorkerMetadata``; the scheduler hook (``integration/scheduler_hooks.py``)
+finishes it with ``FINISHED_ERROR`` (finish reason ``"error"``).  r0 and r5 must finish
+with the tokens of resident serving (logprobs to bf16 rounding: without the failed
+requests the later batches differ from resident serving's), and the engine goes on.
 """
 import json
 
@@ -18,22 +20,27 @@ from .conftest import run_offline
 pytestmark = pytest.mark.e2e
 
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-ARGS = ["--prompt-lens", "2600", "2600", "2600", "--max-tokens", "8", "--max-model-len", "4096"]
+ARGS = ["--prompt-lens", *["2600"] * 6, "--max-tokens", "8", "--max-model-len", "4096"]
+FAILED = {1: "backup", 2: "admit", 3: "append", 4: "resolve"}
 
 
-def test_backup_failure_fails_one_request(demo_model):
+def test_one_failing_request_among_several(demo_model):
     resident = run_offline(demo_model, *ARGS, env=INPROC)
     got = run_offline(demo_model, *ARGS, "--connector", json.dumps({"eager_backup": True}),
-                      env={**INPROC, "DHISPARSE_TEST_FAIL_BACKUP_OF": "r1"})
-    failed = got["outputs"][1]
-    assert failed["finish_reason"] == "error", failed
-    for i in (0, 2):
+                      env={**INPROC, "DHISPARSE_TEST_FAIL_BACKUP_OF": "r1",
+                           "DHISPARSE_TEST_FAIL": "admit:r2,append:r3,resolve:r4"})
+    for i, where in FAILED.items():
+        assert got["outputs"][i]["finish_reason"] == "error", (where, got["outputs"][i])
+    for i in (0, 5):
         g, w = got["outputs"][i], resident["outputs"][i]
         assert g["finish_reason"] == "length"
         assert g["token_ids"] == w["token_ids"], (i, g["token_ids"], w["token_ids"])
-        # r1 leaves the batch early, so later steps run smaller batches than resident
-        # serving's, and vLLM's dense layers are not batch-invariant on CPU: logprobs
-        # agree to bf16 rounding, tokens exactly.
+        # vLLM's dense layers are not batch-invariant on CPU: logprobs agree to bf16
+        # rounding, tokens exactly
         assert max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])) < 0.05, i
     t = got["stats"]["totals"]
-    assert t["failed"] == 1 and t["admissions"] == 2, t
+    # r3 and r4 were admitted before their failure; r1's admission is undone, r2's never ran
+    assert t["failed"] == len(FAILED) and t["admissions"] == 4, t
+    # every admitted request was released, the last ones by the step that tells the
+    # workers about finished requests (no further request needed)
+    assert t["finished"] + t["preempted"] == 4 and t["admitted"] == 0, t

@@ -157,3 +157,52 @@ def test_newest_block_map_built_once_per_step_and_follows_new_blocks(monkeypatch
                 assert verify_rows_to_requests(w, step, layer) == ["a", None]
         w.end_step()
     assert built == [(0, 16), (1, 8)] * len(STEPS)
+
+
+# -- failure isolation and request identity ----------------------------------------------------
+@pytest.mark.parametrize("point", ["append", "resolve"])
+def test_a_failure_in_per_request_work_fails_that_request_alone(monkeypatch, point):
+    monkeypatch.setenv("DHISPARSE_TEST_FAIL", f"{point}:a")
+    w = make_worker()  # "a" admitted (admission is not a fault point here)
+    s = STEPS[0]
+    w.begin_step(s["meta"])
+    for layer in LAYERS:
+        rows_req = w.rows_to_requests(torch.tensor(s["tables"][layer.group], dtype=torch.int32),
+                                      layer, torch.tensor(s["seq_lens"], dtype=torch.int32))
+        if point == "resolve" and rows_req[0] == "a":  # later groups no longer route "a"
+            locs = w.resolve_tokens(layer, torch.tensor([0, 0]),
+                                    torch.tensor(TOPK[0], dtype=torch.int32), rows_req)
+            assert bool((locs == -1).all())  # the failed request reads no row
+    w.end_step()
+    assert w.take_failed() == {"a": f"RuntimeError: injected {point} failure"}
+    assert "a" not in w.hierarchy.requests and not w.requests["a"].admitted
+    w.begin_step(STEPS[1]["meta"])  # the engine goes on: "b" completes its prefill
+    w.end_step()
+    assert w.requests["b"].admitted and w.summary()["totals"]["failed"] == 1
+
+
+def test_admission_failure_fails_that_request_alone(monkeypatch):
+    monkeypatch.setenv("DHISPARSE_TEST_FAIL", "admit:b")
+    w = make_worker()
+    for step in range(len(STEPS)):
+        run_step(w, step)
+    assert set(w.take_failed()) == {"b"} and w.requests["a"].admitted
+    assert list(w.hierarchy.requests) == ["a"]
+
+
+def test_a_batch_row_that_does_not_match_its_request_is_refused():
+    w = make_worker()
+    s = STEPS[0]
+    w.begin_step(s["meta"])
+    table = torch.tensor(s["tables"][0], dtype=torch.int32)
+    # "a" has 42 tokens after this step and 2 of them in the batch
+    with pytest.raises(RuntimeError, match="does not match"):
+        w.rows_to_requests(table, LAYERS[0], torch.tensor([43, 16], dtype=torch.int32),
+                           torch.tensor([0, 0, 1]))
+    w.newest.clear()
+    with pytest.raises(RuntimeError, match="does not match"):
+        w.rows_to_requests(table, LAYERS[0], torch.tensor([42, 16], dtype=torch.int32),
+                           torch.tensor([0, 0, 0, 1]))
+    w.newest.clear()
+    assert w.rows_to_requests(table, LAYERS[0], torch.tensor([42, 16], dtype=torch.int32),
+                              torch.tensor([0, 0] + [1] * 16)) == ["a", None]

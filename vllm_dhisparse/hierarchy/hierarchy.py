@@ -148,7 +148,7 @@ class KVHierarchy:
             for name, parts in self.sources.items():
                 rec = parts.residency.admit(req_id, limits[name], imported.get(name))
                 rec.last_active = self.step_index
-        except HostBackupError:  # all-or-nothing: undo the sources already admitted
+        except Exception:  # all-or-nothing: undo the sources already admitted
             for parts in self.sources.values():
                 if req_id in parts.residency.requests:
                     parts.residency.release(req_id)

@@ -62,7 +62,8 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
     mla = meta[attn.prefix]
     req_idx = swa.token_to_req_indices  # [T] row of each token in the block tables
     num_tokens = q.shape[0]
-    rows_req = worker.rows_to_requests(mla.block_table, layer, swa.seq_lens)  # row -> req id or None
+    # batch row -> request id or None, checked against the scheduler's numbers
+    rows_req = worker.rows_to_requests(mla.block_table, layer, swa.seq_lens, req_idx)
     routed = torch.tensor([rows_req[int(r)] is not None for r in req_idx.tolist()],
                           dtype=torch.bool)
     if not bool(routed.any()):

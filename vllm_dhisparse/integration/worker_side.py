@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.logger import init_logger
 
-from vllm_dhisparse.config import DHiSparseConfig, test_hook
+from vllm_dhisparse.config import DHiSparseConfig, parse_fault_hook, test_hook
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
 from vllm_dhisparse.hierarchy.specs import ResidencyConfig, SourceSpec
@@ -62,6 +62,7 @@ class WorkerSide:
         self.cfg = cfg
         self.corrupt_mapping = test_hook("DHISPARSE_TEST_CORRUPT_MAPPING") == "1"
         self.fail_backup_of = test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF")
+        self.faults = parse_fault_hook(test_hook("DHISPARSE_TEST_FAIL"))
         self.layers = {layer.name: layer for layer in layers}
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -165,19 +166,45 @@ class WorkerSide:
             req.num_scheduled_tokens = rs.num_scheduled_tokens
             if req.failed:
                 continue
-            try:
-                if req.admitted and rs.num_scheduled_tokens > self.max_queries:
-                    self._fail(req, f"{rs.num_scheduled_tokens} tokens scheduled in one step "
-                                    f"after the prefill; the hierarchy serves at most "
-                                    f"{self.max_queries} (1 + speculative tokens)")
-                    continue
+            if req.admitted and rs.num_scheduled_tokens > self.max_queries:
+                self._fail(req, f"{rs.num_scheduled_tokens} tokens scheduled in one step "
+                                f"after the prefill; the hierarchy serves at most "
+                                f"{self.max_queries} (1 + speculative tokens)")
+                continue
+            with self._isolated(req):
                 if not req.admitted and req.prefill_complete:
                     self._admit(req)  # retry: no device room when its prefill completed
                 if req.admitted:
                     self._commit_rows(req)
-            except HostBackupError as e:
-                self._fail(req, str(e))
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
+
+    @contextlib.contextmanager
+    def _isolated(self, req: TrackedRequest):
+        """Per-request hierarchy work: an exception fails this request alone (finish
+        reason ``error``); the hierarchy releases it, every other request goes on."""
+        try:
+            yield
+        except HostBackupError as e:
+            self._fail(req, str(e))
+        except Exception as e:  # noqa: BLE001 -- isolation is the point; logged in full
+            logger.exception("DHiSparse: request %s: hierarchy work failed", req.req_id)
+            self._fail(req, f"{type(e).__name__}: {e}")
+        finally:
+            self._take_hierarchy_failures()
+
+    def _take_hierarchy_failures(self) -> None:
+        """Requests the hierarchy released on its own (a victim whose deferred backup
+        failed during another request's admission, a failed tail backup)."""
+        for rid, why in self.hierarchy.take_failures().items():
+            req = self.requests.get(rid)
+            if req is not None:
+                req.admitted = False  # already released
+                self._fail(req, why)
+
+    def _inject(self, point: str, req_id: str) -> None:
+        """TEST ONLY (DHISPARSE_TEST_FAIL): a fault at ``point`` for this request."""
+        if any(req_id.startswith(p) for p in self.faults.get(point, ())):
+            raise RuntimeError(f"injected {point} failure")
 
     def _fail(self, req: TrackedRequest, why: str) -> None:
         """The request cannot be served exactly any more: fail it alone (the scheduler
@@ -188,9 +215,9 @@ class WorkerSide:
         self.failed[req.req_id] = why
         self.failed_unreported[req.req_id] = why
         self.failed_total += 1
-        if req.admitted:
+        if req.admitted and req.req_id in self.hierarchy.requests:
             self.hierarchy.preempt(req.req_id)
-            req.admitted = False
+        req.admitted = False
         logger.error("DHiSparse: request %s failed: %s", req.req_id, why)
 
     def admit_completed_prefills(self) -> None:
@@ -202,17 +229,15 @@ class WorkerSide:
             req = self.requests.get(rid)
             if req is None or req.admitted or req.failed or not req.prefill_complete:
                 continue
-            try:
-                req.num_computed_tokens += req.num_scheduled_tokens
-                req.num_scheduled_tokens = 0
+            req.num_computed_tokens += req.num_scheduled_tokens
+            req.num_scheduled_tokens = 0
+            with self._isolated(req):
                 self._admit(req)
-                if not req.admitted and window:
-                    self._fail(req, "no room in the hierarchy (device slots or host extent) "
-                                    "to hold the history vLLM frees behind "
-                                    "device_window_tokens; raise host_pool_gib / "
-                                    "device_pool_pages or lower max_num_seqs")
-            except HostBackupError as e:
-                self._fail(req, str(e))
+            if not req.admitted and not req.failed and window:
+                self._fail(req, "no room in the hierarchy (device slots or host extent) "
+                                "to hold the history vLLM frees behind "
+                                "device_window_tokens; raise host_pool_gib / "
+                                "device_pool_pages or lower max_num_seqs")
 
     def _committed_rows(self, req: TrackedRequest, layer: SparseLayer) -> int:
         return req.num_computed_tokens // layer.compress_ratio  # eq. 8: complete rows only
@@ -235,6 +260,7 @@ class WorkerSide:
         return torch.cat(parts, dim=1)
 
     def _admit(self, req: TrackedRequest) -> None:
+        self._inject("admit", req.req_id)
         h = self.hierarchy
         imported, max_rows = {}, {}
         for name, layer in self.layers.items():
@@ -252,6 +278,7 @@ class WorkerSide:
         req.rows = {name: imported[name].shape[0] for name in self.layers}
 
     def _commit_rows(self, req: TrackedRequest) -> None:
+        self._inject("append", req.req_id)
         for name, layer in self.layers.items():
             have, want = req.rows[name], self._committed_rows(req, layer)
             if want > have:
@@ -265,7 +292,8 @@ class WorkerSide:
         return pool.storage.view(1, -1), pool.num_rows
 
     def rows_to_requests(self, block_table: torch.Tensor, layer: SparseLayer,
-                         seq_lens: torch.Tensor) -> list[str | None]:
+                         seq_lens: torch.Tensor, token_rows: torch.Tensor | None = None
+                         ) -> list[str | None]:
         """Batch row -> admitted request id, matched by the block holding the request's
         newest token.  That block is live (never behind the device window), so it belongs
         to one running request only; a request's first block may have been freed and
@@ -273,14 +301,40 @@ class WorkerSide:
         map is built once per step and (group, tokens per block): every layer asks."""
         tokens_per_block = layer.rows_per_block * layer.compress_ratio
         key = (layer.group, tokens_per_block)
-        if key not in self.newest:
+        check = key not in self.newest
+        if check:
             self.newest[key] = newest_blocks(self.requests.values(), *key)
         newest = self.newest[key]
         rows = min(block_table.shape[0], seq_lens.shape[0])
         cols = ((seq_lens[:rows].to(torch.int64) - 1).clamp(min=0) // tokens_per_block).cpu()
         cols = cols.clamp(max=block_table.shape[1] - 1)
         ids = block_table[:rows].cpu().gather(1, cols.view(-1, 1)).flatten().tolist()
-        return [newest.get(int(b)) for b in ids] + [None] * (block_table.shape[0] - rows)
+        out = [newest.get(int(b)) for b in ids] + [None] * (block_table.shape[0] - rows)
+        if check and token_rows is not None:
+            self.check_identity(out, seq_lens, token_rows)
+        return out
+
+    def check_identity(self, rows_req: list[str | None], seq_lens: torch.Tensor,
+                       token_rows: torch.Tensor) -> None:
+        """Fails loudly rather than resolve one request's tokens against another's tables:
+        every routed batch row is a distinct request whose sequence length and token count
+        this step are the ones the scheduler sent for it."""
+        counts = torch.bincount(token_rows.cpu().to(torch.int64), minlength=len(rows_req)).tolist()
+        lens = seq_lens.cpu().tolist()
+        seen: set[str] = set()
+        for row, rid in enumerate(rows_req):
+            if rid is None:
+                continue
+            req = self.requests[rid]
+            want = req.num_computed_tokens + req.num_scheduled_tokens
+            got = lens[row] if row < len(lens) else None
+            if rid in seen or got != want or counts[row] != req.num_scheduled_tokens:
+                raise RuntimeError(
+                    f"DHiSparse: batch row {row} resolved to request {rid} but does not match it "
+                    f"(sequence length {got} vs {want}, {counts[row]} tokens vs "
+                    f"{req.num_scheduled_tokens} scheduled, seen twice: {rid in seen}); "
+                    f"refusing to read another request's rows")
+            seen.add(rid)
 
     def resolve_tokens(self, layer: SparseLayer, req_rows: torch.Tensor, topk: torch.Tensor,
                        rows_req: list[str | None]) -> torch.Tensor:
@@ -294,33 +348,49 @@ class WorkerSide:
         starts = torch.cumsum(counts, 0) - counts  # [N]
         tok_j = torch.arange(req_rows.numel()) - starts[tok_n]
         req_ids = [rows_req[r] for r in runs.tolist()]
+        reqs = [self.requests[r] for r in req_ids]
         n, kq, top_k = runs.numel(), int(counts.max()), topk.shape[1]
         sel = torch.full((n, kq, top_k), -1, dtype=torch.int32, device=topk.device)
         sel[tok_n, tok_j] = topk.to(torch.int32)
-        committed = torch.tensor([self.requests[r].rows[layer.name] for r in req_ids],
+        committed = torch.tensor([r.rows.get(layer.name, 0) for r in reqs],
                                  dtype=torch.int32, device=sel.device).view(n, 1, 1)
         fresh = sel >= committed  # rows computed this step: not in the hierarchy yet
-        t0 = time.perf_counter()
-        locs, _ = h.resolve(layer.name, req_ids, torch.where(fresh, -1, sel))
-        if self.time_resolve:
-            if sel.is_cuda:
-                torch.cuda.synchronize(sel.device)
-            self.resolve_times.append(time.perf_counter() - t0)
-        self.selected_rows += int((sel >= 0).sum())
-        locs = locs.to(torch.int64)
         cap = self.fresh_rows[layer.name]
-        for i, rid in enumerate(req_ids):
-            if not bool(fresh[i].any()):
+        wants: dict[int, torch.Tensor] = {}
+        for i, req in enumerate(reqs):
+            if req.failed:
                 continue
-            want = torch.unique(sel[i][fresh[i]].to(torch.int64))
-            if want.numel() > cap:
-                raise RuntimeError(f"request {rid}: {want.numel()} rows computed this step exceed "
-                                   f"the {cap} staging rows reserved for them")
+            with self._isolated(req):
+                self._inject("resolve", req.req_id)
+                if bool(fresh[i].any()):
+                    want = torch.unique(sel[i][fresh[i]].to(torch.int64))
+                    if want.numel() > cap:
+                        raise RuntimeError(f"{want.numel()} rows computed this step exceed the "
+                                           f"{cap} staging rows reserved for them")
+                    wants[i] = want
+        # A request failed in this step reads no row (its output is discarded with the
+        # error); the others are resolved together.
+        ok = torch.tensor([i for i, r in enumerate(reqs) if not r.failed], dtype=torch.int64)
+        locs = torch.full((n, kq, top_k), -1, dtype=torch.int64, device=sel.device)
+        if ok.numel():
+            t0 = time.perf_counter()
+            got, _ = h.resolve(layer.name, [req_ids[i] for i in ok.tolist()],
+                               torch.where(fresh, -1, sel)[ok])
+            if self.time_resolve:
+                if sel.is_cuda:
+                    torch.cuda.synchronize(sel.device)
+                self.resolve_times.append(time.perf_counter() - t0)
+            locs[ok] = got.to(torch.int64)
+            self.selected_rows += int((sel[ok] >= 0).sum())
+            self.fresh_selections += int(fresh[ok].sum())
+        for i, want in wants.items():
+            rid = req_ids[i]
+            if reqs[i].failed:  # released meanwhile by the hierarchy
+                continue
             staging = parts.pool.page_rows(parts.residency.request(rid).staging)
             dst = staging[staging.numel() - want.numel():].to(sel.device)
-            parts.pool.write(dst, self._vllm_rows_at(self.requests[rid], layer, want))
+            parts.pool.write(dst, self._vllm_rows_at(reqs[i], layer, want))
             locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
-        self.fresh_selections += int(fresh.sum())
         if self.corrupt_mapping:
             _corrupt_one(locs)
         return locs[tok_n, tok_j]
@@ -329,10 +399,7 @@ class WorkerSide:
         if self.hierarchy is not None:
             self.admit_completed_prefills()
             self.hierarchy.step()
-            for rid, why in self.hierarchy.take_failures().items():
-                if rid in self.requests:  # the hierarchy already released it
-                    self.requests[rid].admitted = False
-                    self._fail(self.requests[rid], why)
+            self._take_hierarchy_failures()
             if self.cfg.stats_file:
                 write_json_atomic(self.cfg.stats_file, self.summary())
         self.newest.clear()  # admissions and failures changed the block -> request map
@@ -352,7 +419,7 @@ class WorkerSide:
         tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
         tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
                    finished=st["finished"], preempted=st["preempted"], failed=self.failed_total,
-                   step=st["step"])
+                   step=st["step"], admitted=st["admitted"])
         return dict(totals=tot, sources=st["sources"])
 
     def take_failed(self) -> dict[str, str]:

@@ -153,6 +153,11 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=()):
             held = decode_blocks(llm)
             generate_stepwise.max_decode_blocks = [
                 max(x, y) for x, y in zip(held, getattr(generate_stepwise, "max_decode_blocks", held))]
+    # The engine core's own loop runs one more step after the last request finished, to
+    # tell the workers (finished request ids, no tokens); an in-process core is driven
+    # from here and must be asked for it.
+    if running_requests(llm) is not None:
+        engine.step()
     return [done[r] for r in ids], running
 
 
