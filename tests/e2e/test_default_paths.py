@@ -16,7 +16,9 @@ optional residency off) and the default 512-token device window.
 * preemption + chunked re-prefill (700-token budget, not block-aligned, no
   prefix cache so the re-prefill is chunked too): r0 is preempted right after
   its prefill, r1 in the middle of its decode, through vLLM's own preemption
-  path (``offline_run --preempt``), at the same step in both arms.
+  path (``offline_run --preempt``), at the same step in both arms.  This arm
+  runs the Triton resolver (``resolver_backend: triton``, the Triton
+  interpreter on CPU): the one E2E run in which vLLM calls the kernel.
 """
 import json
 
@@ -35,9 +37,9 @@ PREEMPT = ["--prompt-lens", "2600", "2600", "2600", "--max-tokens", "10", "--chu
            "--max-model-len", "4096", "--preempt", "0:5", "1:10"]
 
 
-def both_arms(model: str, args: list[str]) -> tuple[dict, dict]:
+def both_arms(model: str, args: list[str], **extra) -> tuple[dict, dict]:
     resident = run_offline(model, *args, env=INPROC)
-    got = run_offline(model, *args, "--connector", json.dumps(HIER), env=INPROC)
+    got = run_offline(model, *args, "--connector", json.dumps({**HIER, **extra}), env=INPROC)
     return resident, got
 
 
@@ -48,7 +50,7 @@ def prefix_runs(demo_model):
 
 @pytest.fixture(scope="module")
 def preempt_runs(demo_model):
-    return both_arms(demo_model, PREEMPT)
+    return both_arms(demo_model, PREEMPT, resolver_backend="triton")
 
 
 def test_prefix_hits_and_chunked_prefill_exact(prefix_runs):
@@ -79,3 +81,7 @@ def test_preemption_and_chunked_reprefill_exact(preempt_runs):
     # the two preempted requests leave the hierarchy and are admitted again after
     # their re-prefill (2600 + outputs tokens in 700-token chunks)
     assert t["preempted"] == 2 and t["admissions"] == 5 and t["failed"] == 0, t
+    assert t["host"] > 0 and t["admitted"] == 0, t
+    sources = got["stats"]["sources"].values()
+    assert {s["resolver_backend"] for s in sources} == {"triton"}
+    assert all(s["resolver"]["calls"] > 0 for s in sources)

@@ -246,6 +246,7 @@ class KVHierarchy:
                 host_bytes_total=parts.host.bytes_total,
                 **dataclasses.asdict(rm.counters),
                 resolver=dataclasses.asdict(parts.resolver.totals()),
+                resolver_backend=parts.resolver.backend,
             )
         out["sources"] = per_source
         return out
