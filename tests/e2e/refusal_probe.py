@@ -1,0 +1,59 @@
+"""Builds vLLM's real engine config for the demo model and constructs the connector with
+each start-up mistake; prints one JSON line ``{case: error}``.  Run by
+test_startup_refusals.py in its own process (vLLM keeps global state)."""
+import json
+import math
+import sys
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_dhisparse.integration.connector import DHiSparseConnector
+
+
+class OtherPlatform:
+    """The real platform, except that it says it is CUDA (the connector must refuse)."""
+    device_name = "cuda"
+
+    def __init__(self, real):
+        self._real = real
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def engine_config(model: str, extra: dict):
+    return EngineArgs(model=model, enforce_eager=True, block_size=256, max_model_len=4096,
+                      kv_transfer_config={"kv_connector": "DHiSparseConnector",
+                                          "kv_role": "kv_both",
+                                          "kv_connector_extra_config": extra}
+                      ).create_engine_config()
+
+
+def refusal(model: str, extra: dict) -> str:
+    try:
+        DHiSparseConnector(engine_config(model, extra), KVConnectorRole.SCHEDULER)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def main(model: str, model_without_indexer: str) -> None:
+    out = {"nan": refusal(model, {"host_pool_gib": math.nan}),
+           "inf": refusal(model, {"device_window_tokens": 512, "host_pool_gib": math.inf}),
+           "no_indexer": refusal(model_without_indexer, {}),
+           "accepted": refusal(model, {})}
+    import vllm.platforms as platforms
+    real = platforms.current_platform
+    platforms._current_platform = OtherPlatform(real)
+    try:
+        out["platform"] = refusal(model, {})
+    finally:
+        platforms._current_platform = real
+    print("REFUSALS " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
