@@ -281,3 +281,39 @@ def test_plot_from_live_scrape(served):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.environ.get("DHISPARSE_ARTIFACTS"):  # keep the figure (CI artifacts)
         shutil.copy(out, os.path.join(os.environ["DHISPARSE_ARTIFACTS"], "fig6_live.png"))
+
+
+# -- abort: released without any further request ----------------------------------------------
+def test_abort_mid_decode_releases_at_once(served):
+    """A streaming client that goes away mid-decode aborts its request; the hierarchy
+    releases its pages and slot on the engine's own next step, with no other request in
+    flight, and the engine serves the next request."""
+    from vllm_dhisparse.tools.plot_residency import parse_exposition
+    url, model = served["url"], served["model"]
+    body = json.dumps({"model": model, "prompt": _prompt(2400, 7), "max_tokens": 400,
+                       "temperature": 0.0, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+
+    def admitted() -> float:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            return parse_exposition(r.read().decode())["admitted_requests"]
+    r = urllib.request.urlopen(req, timeout=600)
+    chunks = 0
+    while chunks < 3:  # three tokens streamed: the request is admitted and decoding
+        if r.readline().startswith(b"data: {"):
+            chunks += 1
+    deadline = time.time() + 30
+    while admitted() < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert admitted() >= 1
+    r.close()  # the client leaves: vLLM aborts the request
+    deadline = time.time() + 30
+    while admitted() > 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert admitted() == 0
+    stats = json.loads((served["tmp"] / "stats.json").read_text())["totals"]
+    assert stats["admitted"] == 0 and stats["failed"] == 0, stats
+    out: list = [None]
+    _complete(url, model, _prompt(640, 8), out, 0)
+    assert out[0]["choices"][0]["finish_reason"] == "length"
