@@ -30,8 +30,9 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "eager_backup": (bool, False, None, "back up imported history at admission instead of deferring it"),
     "device_window_tokens": (int, 512, 0, "c4a tokens vLLM keeps on device behind the newest processed "
                              "one (older blocks are freed; the hierarchy serves them); 0 = keep all"),
-    "device_pool_pages": (int, 0, 0, "device pages per source for the hierarchy (required + optional); "
-                          "0 = auto: every running request's full history fits"),
+    "device_pool_pages": (int, 0, 0, "device pages per source for the hierarchy (required + optional), "
+                          "counted inside vLLM's KV budget; 0 = auto: what max_num_seqs running "
+                          "requests require, plus one hot cache of optional history each"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
 }

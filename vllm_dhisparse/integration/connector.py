@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 def _max_queries(vllm_config: "VllmConfig") -> int:

@@ -7,7 +7,7 @@ idempotent and cheap.
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 CONNECTOR_NAME = "DHiSparseConnector"
 CONNECTOR_MODULE = "vllm_dhisparse.integration.connector"
@@ -23,6 +23,14 @@ def register() -> None:
         apply_cpu_compat()
     _register_connector()
     _install_kv_spec()
+    _install_budget()
+
+
+def _install_budget() -> None:
+    # The hierarchy's device pools are counted inside vLLM's KV budget (worker process).
+    from .pool_sizing import install_budget
+
+    install_budget()
 
 
 def _install_kv_spec() -> None:

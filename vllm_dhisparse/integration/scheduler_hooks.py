@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 _installed = False
 

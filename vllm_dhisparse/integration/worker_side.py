@@ -33,13 +33,14 @@ from vllm.logger import init_logger
 from vllm_dhisparse.config import DHiSparseConfig, parse_fault_hook, test_hook
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
-from vllm_dhisparse.hierarchy.specs import ResidencyConfig, SourceSpec
+from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
+from .pool_sizing import device_pool_bytes, plan_sources
 from .stats import StatsCollector, time_resolve_enabled
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 @dataclass
@@ -69,6 +70,7 @@ class WorkerSide:
         self.max_queries = max_spec_queries
         self.device = device
         self.hierarchy: KVHierarchy | None = None
+        self.device_pool_bytes = 0  # counted inside vLLM's KV budget (pool_sizing.py)
         self.requests: dict[str, TrackedRequest] = {}
         self.caches: dict[str, torch.Tensor] = {}  # source -> vLLM rows view [R, row_bytes]
         self.failed: dict[str, str] = {}
@@ -88,48 +90,18 @@ class WorkerSide:
 
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        specs = []
-        for name, layer in self.layers.items():
+        for name in self.layers:
             if name not in kv_caches:
                 raise ValueError(f"sparse layer {name!r} has no KV cache; caches: {sorted(kv_caches)}")
             cache = kv_caches[name].view(torch.uint8)
             # A block is [rows x 576 data][rows x 8 scales], padded to a 576 B
             # multiple (attention.py:873); logical rows are data + scales.
             self.caches[name] = cache.reshape(cache.shape[0], -1)
-            layer_rows = -(-self.max_model_len // layer.compress_ratio) + 1
-            hot = self.cfg.hot_rows_for(layer.top_k)
-            fresh = -(-self.max_queries // layer.compress_ratio) + 1
-            staging = max(0, self.max_queries * layer.top_k - hot) + fresh
-            page = layer.rows_per_block
-            per_req_pages = -(-hot // page) + self.cfg.tail_pages + -(-staging // page)
-            host_rows = int(self.cfg.host_pool_gib * 2**30) // (layer.row_bytes * len(self.layers))
-            if host_rows < layer_rows:
-                raise ValueError(
-                    f"kv_connector_extra_config['host_pool_gib'] = {self.cfg.host_pool_gib} holds "
-                    f"{host_rows} rows per sparse layer, fewer than one request of max_model_len "
-                    f"{self.max_model_len} needs ({layer_rows}); raise host_pool_gib")
-            history_pages = -(-layer_rows // page)
-            floor = self.max_num_seqs * per_req_pages + self.cfg.admission_reserve_pages
-            device_pages = self.cfg.device_pool_pages or \
-                (self.max_num_seqs * (per_req_pages + history_pages) + self.cfg.admission_reserve_pages)
-            if device_pages < floor:
-                raise ValueError(
-                    f"kv_connector_extra_config['device_pool_pages'] = {device_pages} is below what "
-                    f"max_num_seqs={self.max_num_seqs} running requests require ({per_req_pages} "
-                    f"pages each: hot cache, tail, staging) plus admission_reserve_pages "
-                    f"{self.cfg.admission_reserve_pages}; allowed >= {floor} (or 0 = auto)")
-            if self.cfg.device_window_tokens and host_rows < self.max_num_seqs * layer_rows:
-                raise ValueError(
-                    f"kv_connector_extra_config['host_pool_gib'] = {self.cfg.host_pool_gib} holds "
-                    f"{host_rows} rows per sparse layer; with device_window_tokens > 0 every "
-                    f"running request's history must fit the host pool ({self.max_num_seqs} x "
-                    f"{layer_rows} rows); raise host_pool_gib or lower max_num_seqs")
-            self.fresh_rows[name] = fresh
-            specs.append(SourceSpec(
-                name=name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
-                host_rows=host_rows, hot_rows=hot, tail_pages=self.cfg.tail_pages,
-                max_slots=self.max_num_seqs, max_rows=layer_rows, staging_rows=staging,
-                segments=layer.segments))
+        plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
+                             self.max_num_seqs, self.max_queries)
+        self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
+        self.device_pool_bytes = device_pool_bytes(plans)
+        specs = [p.spec for p in plans]
         residency = ResidencyConfig(
             admission_reserve_pages=self.cfg.admission_reserve_pages,
             repopulate_pages_per_step=self.cfg.repopulate_pages_per_step,
@@ -419,7 +391,9 @@ class WorkerSide:
         tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
         tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
                    finished=st["finished"], preempted=st["preempted"], failed=self.failed_total,
-                   step=st["step"], admitted=st["admitted"])
+                   step=st["step"], admitted=st["admitted"],
+                   device_pool_bytes=self.device_pool_bytes,
+                   host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
         return dict(totals=tot, sources=st["sources"])
 
     def take_failed(self) -> dict[str, str]:

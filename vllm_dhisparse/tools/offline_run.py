@@ -78,6 +78,21 @@ def running_requests(llm) -> int | None:
     return None if sched is None else len(sched.running)
 
 
+def kv_tensor_bytes(llm) -> int | None:
+    """Bytes of vLLM's own KV cache allocations (distinct storages behind the model
+    runner's caches); in-process engine core only."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    worker = getattr(getattr(core, "model_executor", None), "driver_worker", None)
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    caches = getattr(runner, "kv_caches", None)
+    if caches is None:
+        return None
+    storages = {}
+    for t in (caches.values() if isinstance(caches, dict) else caches):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def decode_blocks(llm) -> list[int] | None:
     """Per KV cache group: the most blocks (not freed) any *decoding* request holds now
     (a request counts once it decoded one token: vLLM frees at the next allocation)."""
@@ -223,7 +238,8 @@ def main(argv=None) -> int:
                   prefix_caching=bool(vc.cache_config.enable_prefix_caching),
                   chunked_prefill=bool(vc.scheduler_config.enable_chunked_prefill),
                   max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
-                  preemptions=generate_stepwise.preemptions, forced_preemptions=preempt.log)
+                  preemptions=generate_stepwise.preemptions, forced_preemptions=preempt.log,
+                  vllm_kv_bytes=kv_tensor_bytes(llm))
     for o in outs:
         c = o.outputs[0]
         result["outputs"].append(dict(

@@ -1,0 +1,148 @@
+"""How big the hierarchy's pools are, and where their device bytes come from.
+
+Per sparse (c4a) layer, one source:
+
+* **device pool** (pages of ``rows_per_block`` rows, one vLLM block's worth):
+  the *floor* is what ``max_num_seqs`` running requests require -- each a hot
+  cache of ``B`` rows, ``tail_pages`` tail pages and its verification staging
+  (``K_max * k - B`` rows plus the rows computed in the step) -- plus
+  ``admission_reserve_pages``.  ``device_pool_pages = 0`` (auto) gives the
+  floor plus as many pages again for optional history (one hot cache's worth
+  per running request); an explicit value must be at least the floor.
+* **host pool**: ``host_pool_gib`` split evenly over the sparse layers.
+
+The device pools are counted **inside** the KV memory the operator gives vLLM
+(``--kv-cache-memory-bytes``, or the share from ``--gpu-memory-utilization``):
+the plugin wraps the worker's ``determine_available_memory`` so vLLM's own
+blocks get what is left (:func:`install_budget`).  The same
+:func:`plan_sources` sizes the pools there (before vLLM's KV cache config
+exists) and in ``register_kv_caches``, so the two agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+from vllm_dhisparse.config import DHiSparseConfig
+from vllm_dhisparse.hierarchy.specs import SourceSpec
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What sizing needs of one sparse layer."""
+    name: str
+    compress_ratio: int
+    top_k: int
+    row_bytes: int
+    rows_per_block: int
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    spec: SourceSpec
+    fresh_rows: int  # staging columns for rows computed in the current step
+    floor_pages: int
+
+
+def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num_seqs: int,
+                 max_queries: int) -> list[SourcePlan]:
+    """One :class:`SourcePlan` per layer (anything with :class:`LayerShape`'s fields);
+    raises ``ValueError`` naming the key when a pool cannot hold what it must."""
+    plans = []
+    for layer in layers:
+        layer_rows = -(-max_model_len // layer.compress_ratio) + 1
+        hot = cfg.hot_rows_for(layer.top_k)
+        fresh = -(-max_queries // layer.compress_ratio) + 1
+        staging = max(0, max_queries * layer.top_k - hot) + fresh
+        page = layer.rows_per_block
+        per_req_pages = -(-hot // page) + cfg.tail_pages + -(-staging // page)
+        host_rows = int(cfg.host_pool_gib * GIB) // (layer.row_bytes * len(layers))
+        if host_rows < layer_rows:
+            raise ValueError(
+                f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} holds "
+                f"{host_rows} rows per sparse layer, fewer than one request of max_model_len "
+                f"{max_model_len} needs ({layer_rows}); raise host_pool_gib")
+        if cfg.device_window_tokens and host_rows < max_num_seqs * layer_rows:
+            raise ValueError(
+                f"kv_connector_extra_config['host_pool_gib'] = {cfg.host_pool_gib} holds "
+                f"{host_rows} rows per sparse layer; with device_window_tokens > 0 every "
+                f"running request's history must fit the host pool ({max_num_seqs} x "
+                f"{layer_rows} rows); raise host_pool_gib or lower max_num_seqs")
+        floor = max_num_seqs * per_req_pages + cfg.admission_reserve_pages
+        device_pages = cfg.device_pool_pages or floor + max_num_seqs * -(-hot // page)
+        if device_pages < floor:
+            raise ValueError(
+                f"kv_connector_extra_config['device_pool_pages'] = {device_pages} is below what "
+                f"max_num_seqs={max_num_seqs} running requests require ({per_req_pages} "
+                f"pages each: hot cache, tail, staging) plus admission_reserve_pages "
+                f"{cfg.admission_reserve_pages}; allowed >= {floor} (or 0 = auto)")
+        plans.append(SourcePlan(SourceSpec(
+            name=layer.name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
+            host_rows=host_rows, hot_rows=hot, tail_pages=cfg.tail_pages,
+            max_slots=max_num_seqs, max_rows=layer_rows, staging_rows=staging,
+            segments=layer.segments), fresh, floor))
+    return plans
+
+
+def device_pool_bytes(plans: list[SourcePlan]) -> int:
+    return sum(p.spec.device_pages * p.spec.page_size * p.spec.row_bytes for p in plans)
+
+
+def _max_queries(vllm_config) -> int:
+    spec = vllm_config.speculative_config
+    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
+
+
+def budget_plans(vllm_config) -> list[SourcePlan]:
+    """The pools for this engine, from the loaded model (before vLLM's KV cache config):
+    c4a blocks hold ``block_size`` tokens, ``block_size / 4`` rows."""
+    from .model_probe import FP8_DS_MLA_ROW_BYTES, FP8_DS_MLA_SEGMENTS, iter_sparse_modules
+    cfg = DHiSparseConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    block = vllm_config.cache_config.block_size
+    layers = [LayerShape(name, module.compress_ratio, int(module.topk_indices_buffer.shape[1]),
+                         FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_SEGMENTS)
+              for name, module in iter_sparse_modules(vllm_config)]
+    return plan_sources(cfg, layers, vllm_config.model_config.max_model_len,
+                        vllm_config.scheduler_config.max_num_seqs, _max_queries(vllm_config))
+
+
+def _connector_on(vllm_config) -> bool:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    return ktc is not None and getattr(ktc, "kv_connector", None) == "DHiSparseConnector"
+
+
+def install_budget() -> None:
+    """Wraps the worker's ``determine_available_memory``: with the connector configured,
+    vLLM's KV blocks get the budget minus the hierarchy's device pools."""
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+    except ImportError:
+        return
+    if getattr(CPUWorker.determine_available_memory, "_dhisparse", False):
+        return
+    original = CPUWorker.determine_available_memory
+
+    def determine_available_memory(self) -> int:
+        available = original(self)
+        if not _connector_on(self.vllm_config):
+            return available
+        pools = device_pool_bytes(budget_plans(self.vllm_config))
+        if pools >= available:
+            raise ValueError(
+                f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "
+                f"the {available / GIB:.3f} GiB KV budget, leaving nothing for vLLM's blocks; "
+                f"raise --kv-cache-memory-bytes (or --gpu-memory-utilization), or lower "
+                f"max_num_seqs / kv_connector_extra_config['device_pool_pages']")
+        logger.info("DHiSparse: %.3f GiB of the %.3f GiB KV budget go to the hierarchy's "
+                    "device pools, %.3f GiB to vLLM's blocks", pools / GIB, available / GIB,
+                    (available - pools) / GIB)
+        return available - pools
+
+    determine_available_memory._dhisparse = True
+    CPUWorker.determine_available_memory = determine_available_memory
