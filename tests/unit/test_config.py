@@ -70,7 +70,7 @@ def test_test_hooks_come_from_the_environment(monkeypatch):
 
 def test_stats_file_is_replaced_atomically(tmp_path):
     pytest.importorskip("vllm")
-    from vllm_dhisparse.integration.worker_side import write_json_atomic
+    from vllm_dhisparse.integration.stats import write_json_atomic
     target = tmp_path / "stats.json"
     decoy = tmp_path / f"stats.json.tmp{__import__('os').getpid()}"  # the old predictable name
     decoy.write_text("keep me")

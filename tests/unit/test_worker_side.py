@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("vllm", reason="WorkerSide logs through vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
+from vllm_dhisparse.integration import routing as R  # noqa: E402
 from vllm_dhisparse.integration import worker_side as WS  # noqa: E402
 from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
 from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
@@ -24,7 +25,7 @@ LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_blo
           SparseLayer("l1", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=2, group=1,
                       segments=(5, 1))]
 NUM_BLOCKS = 40
-fresh_newest_blocks = WS.newest_blocks  # unpatched, for a map built from scratch
+fresh_newest_blocks = R.newest_blocks  # unpatched, for a map built from scratch
 
 # "a" completes its 40-token prefill in step 0 (admitted after that forward), then decodes 2
 # queries per step (a new block in each group at step 2); "b" is in prefill in step 1 and
@@ -40,7 +41,7 @@ STEPS = [
                     replace_blocks=True, max_tokens=10)]),
          tables=([[10, 11, 12, 0], [13, 14, 0, 0]],
                  [[20, 21, 22, 23, 24, 25, 0], [26, 27, 28, 29, 0, 0, 0]]),
-         seq_lens=[42, 16]),
+         seq_lens=[42, 16], token_rows=[0, 0] + [1] * 16),
     dict(meta=DHiSparseMetadata(step=2, requests=[
         RequestStep("a", 48, 2, prompt_len=40, block_ids=([15], [30]), replace_blocks=False,
                     max_tokens=40),
@@ -48,7 +49,7 @@ STEPS = [
                     max_tokens=10, completes_prefill=True)]),
          tables=([[10, 11, 12, 15], [13, 14, 0, 0]],
                  [[20, 21, 22, 23, 24, 25, 30], [26, 27, 28, 29, 0, 0, 0]]),
-         seq_lens=[50, 30]),
+         seq_lens=[50, 30], token_rows=[0, 0] + [1] * 14),
 ]
 # per step: each token of "a" selects request-local rows; rows >= committed are this step's
 TOPK = [[[0, 3, 9, 10], [5, 9, 10, -1]], [[1, 3, 11, 12], [12, 0, 6, -1]]]
@@ -70,25 +71,29 @@ def make_worker() -> WS.WorkerSide:
     return w
 
 
+def plan_of(w: WS.WorkerSide, step: int, layer: SparseLayer, seq_lens=None, token_rows=None):
+    """The hook's question for ``layer`` in ``step``: vLLM's block table, seq_lens, rows."""
+    s = STEPS[step]
+    return w.routing_plan(layer, torch.tensor(s["tables"][layer.group], dtype=torch.int32),
+                          torch.tensor(seq_lens or s["seq_lens"], dtype=torch.int32),
+                          torch.tensor(token_rows or s["token_rows"]))
+
+
 def run_step(w: WS.WorkerSide, step: int, resolves: int = 2) -> None:
     """One scheduled step: bind, the hook's calls for every layer, then end the step."""
-    s = STEPS[step]
-    w.begin_step(s["meta"])
+    w.begin_step(STEPS[step]["meta"])
     for layer in LAYERS:
-        rows_req = w.rows_to_requests(torch.tensor(s["tables"][layer.group], dtype=torch.int32),
-                                      layer, torch.tensor(s["seq_lens"], dtype=torch.int32))
-        assert rows_req == ["a", None], (step, layer.name, rows_req)
+        plan = plan_of(w, step, layer)
+        assert plan.rows_req == ["a", None] and plan.req_ids == ["a"], (step, layer.name, plan)
         for _ in range(resolves):  # the second call hits the hot cache
-            w.resolve_tokens(layer, torch.tensor([0, 0]),
-                             torch.tensor(TOPK[step], dtype=torch.int32), rows_req)
+            w.resolve_tokens(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32))
     w.end_step()
 
 
 def verify_rows_to_requests(w: WS.WorkerSide, step: int, layer: SparseLayer) -> list[str | None]:
     """The hook's answer, checked against a map built now from the requests' state."""
     s = STEPS[step]
-    table = torch.tensor(s["tables"][layer.group], dtype=torch.int32)
-    got = w.rows_to_requests(table, layer, torch.tensor(s["seq_lens"], dtype=torch.int32))
+    got = plan_of(w, step, layer).rows_req
     tokens_per_block = layer.rows_per_block * layer.compress_ratio
     fresh = fresh_newest_blocks(w.requests.values(), layer.group, tokens_per_block)
     want = [fresh.get(row[(n - 1) // tokens_per_block]) for row, n in zip(s["tables"][layer.group],
@@ -146,7 +151,7 @@ def test_collector_reads_summary(monkeypatch):
 def test_newest_block_map_built_once_per_step_and_follows_new_blocks(monkeypatch):
     w = make_worker()
     built = []
-    monkeypatch.setattr(WS, "newest_blocks", lambda requests, *key:
+    monkeypatch.setattr(R, "newest_blocks", lambda requests, *key:
                         built.append(key) or fresh_newest_blocks(requests, *key))
     for step in range(len(STEPS)):
         w.begin_step(STEPS[step]["meta"])
@@ -167,11 +172,9 @@ def test_a_failure_in_per_request_work_fails_that_request_alone(monkeypatch, poi
     s = STEPS[0]
     w.begin_step(s["meta"])
     for layer in LAYERS:
-        rows_req = w.rows_to_requests(torch.tensor(s["tables"][layer.group], dtype=torch.int32),
-                                      layer, torch.tensor(s["seq_lens"], dtype=torch.int32))
-        if point == "resolve" and rows_req[0] == "a":  # later groups no longer route "a"
-            locs = w.resolve_tokens(layer, torch.tensor([0, 0]),
-                                    torch.tensor(TOPK[0], dtype=torch.int32), rows_req)
+        plan = plan_of(w, 0, layer)
+        if point == "resolve" and plan.any_routed:  # later groups no longer route "a"
+            locs = w.resolve_tokens(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32))
             assert bool((locs == -1).all())  # the failed request reads no row
     w.end_step()
     assert w.take_failed() == {"a": f"RuntimeError: injected {point} failure"}
@@ -192,17 +195,12 @@ def test_admission_failure_fails_that_request_alone(monkeypatch):
 
 def test_a_batch_row_that_does_not_match_its_request_is_refused():
     w = make_worker()
-    s = STEPS[0]
-    w.begin_step(s["meta"])
-    table = torch.tensor(s["tables"][0], dtype=torch.int32)
+    w.begin_step(STEPS[0]["meta"])
     # "a" has 42 tokens after this step and 2 of them in the batch
     with pytest.raises(RuntimeError, match="does not match"):
-        w.rows_to_requests(table, LAYERS[0], torch.tensor([43, 16], dtype=torch.int32),
-                           torch.tensor([0, 0, 1]))
-    w.newest.clear()
+        plan_of(w, 0, LAYERS[0], seq_lens=[43, 16])
     with pytest.raises(RuntimeError, match="does not match"):
-        w.rows_to_requests(table, LAYERS[0], torch.tensor([42, 16], dtype=torch.int32),
-                           torch.tensor([0, 0, 0, 1]))
-    w.newest.clear()
-    assert w.rows_to_requests(table, LAYERS[0], torch.tensor([42, 16], dtype=torch.int32),
-                              torch.tensor([0, 0] + [1] * 16)) == ["a", None]
+        plan_of(w, 0, LAYERS[0], token_rows=[0, 0, 0] + [1] * 16)
+    plan = plan_of(w, 0, LAYERS[0])
+    assert plan.rows_req == ["a", None] and plan.token_idx.tolist() == [0, 1]
+    assert plan.tok_j.tolist() == [0, 1] and not plan.all_routed

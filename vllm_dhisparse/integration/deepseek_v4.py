@@ -62,16 +62,14 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
     mla = meta[attn.prefix]
     req_idx = swa.token_to_req_indices  # [T] row of each token in the block tables
     num_tokens = q.shape[0]
-    # batch row -> request id or None, checked against the scheduler's numbers
-    rows_req = worker.rows_to_requests(mla.block_table, layer, swa.seq_lens, req_idx)
-    routed = torch.tensor([rows_req[int(r)] is not None for r in req_idx.tolist()],
-                          dtype=torch.bool)
-    if not bool(routed.any()):
+    # which tokens the hierarchy serves, and whose (routing.py; checked, one per group/step)
+    plan = worker.routing_plan(layer, mla.block_table, swa.seq_lens, req_idx[:num_tokens])
+    if not plan.any_routed:
         return _original_forward_mqa(attn, q, kv, positions, output)
-    idx = routed.nonzero().flatten()  # [T_r]
+    idx = plan.token_idx  # [T_r]
     topk = attn.topk_indices_buffer[:num_tokens][idx]  # [T_r, k] request-local rows (a copy)
     req_r = req_idx[idx]
-    if not bool(routed.all()):
+    if not plan.all_routed:
         # Prefill tokens of other requests read vLLM's cache as usual; routed tokens
         # are recomputed below and overwrite their outputs.  With device_window_tokens
         # vLLM has freed (and may have reused) the routed requests' blocks behind the
@@ -82,7 +80,7 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
         bt = mla.block_table
         tokens_per_block = layer.rows_per_block * layer.compress_ratio
         saved = {}
-        for row in sorted(set(req_r.tolist())):
+        for row in plan.rows:
             newest = (int(swa.seq_lens[row]) - 1) // tokens_per_block
             saved[row] = bt[row].clone()
             bt[row] = bt[row, min(newest, bt.shape[1] - 1)]
@@ -93,7 +91,7 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
                 bt[row] = values
 
     q_r, pos_r = q[idx], positions[idx]
-    locations = worker.resolve_tokens(layer, req_r, topk, rows_req)  # [T_r, k] int64 pool rows
+    locations = worker.resolve_tokens(layer, plan, topk)  # [T_r, k] int64 pool rows
 
     # Sliding window, exactly as upstream (positions are absolute).
     window = attn.window_size

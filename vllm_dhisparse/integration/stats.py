@@ -26,7 +26,10 @@ work, unless synchronized; it is recorded only on CPU devices or when
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -248,6 +251,44 @@ class StatsCollector:
             "gauges": gauges,
             "resolve_seconds": times,
         })
+
+
+def summarize(worker: "WorkerSide") -> dict:
+    """The worker's totals, summed over sources (this step's rows count as direct: they
+    are tail rows), and the hierarchy's per-source state: what ``stats_file`` holds and
+    what the Prometheus counters are deltas of."""
+    st = worker.hierarchy.stats()
+    tot = dict(selected=0, direct=worker.fresh_selections, hot=0, host=0, fetched=0,
+               bytes_fetched=0, verify_host_selections=0, verify_fetched=0, resolve_calls=0,
+               state_repairs=0)
+    for src in st["sources"].values():
+        r = src["resolver"]
+        for key in ("direct", "hot", "host", "fetched", "bytes_fetched",
+                    "verify_host_selections", "verify_fetched", "state_repairs"):
+            tot[key] += r[key]
+        tot["resolve_calls"] += r["calls"]
+    tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
+    tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
+               finished=st["finished"], preempted=st["preempted"], failed=worker.failed_total,
+               step=st["step"], admitted=st["admitted"],
+               device_pool_bytes=worker.device_pool_bytes,
+               host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
+    return dict(totals=tot, sources=st["sources"])
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Readers see the old file or the new one, never a partial write; the temp file is
+    created exclusively (mkstemp) next to ``path``, so no other file is overwritten."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def time_resolve_enabled(device_type: str) -> bool:

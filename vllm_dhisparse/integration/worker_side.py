@@ -17,13 +17,15 @@ Rows computed in the current step (the anchor's and the drafts') are not
 committed yet: the attention hook reads them through per-request staging
 rows, copied from vLLM's cache for that step only, so a rejected draft never
 reaches the hierarchy.
+
+A failure in one request's hierarchy work (admission, append, resolve, a
+host backup) fails that request alone (``_isolated``).  Helpers with one
+role each: routing.py (who the hook serves), vllm_cache.py (vLLM's block
+layout), pool_sizing.py (pool sizes), stats.py (counters and summary).
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +40,9 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
 from .pool_sizing import device_pool_bytes, plan_sources
-from .stats import StatsCollector, time_resolve_enabled
+from .routing import RoutingPlan, StepRouting
+from .stats import StatsCollector, summarize, time_resolve_enabled, write_json_atomic
+from .vllm_cache import VllmC4aCaches
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -72,13 +76,12 @@ class WorkerSide:
         self.hierarchy: KVHierarchy | None = None
         self.device_pool_bytes = 0  # counted inside vLLM's KV budget (pool_sizing.py)
         self.requests: dict[str, TrackedRequest] = {}
-        self.caches: dict[str, torch.Tensor] = {}  # source -> vLLM rows view [R, row_bytes]
+        self.vllm_cache = VllmC4aCaches()
         self.failed: dict[str, str] = {}
         self.fresh_rows: dict[str, int] = {}  # per source: staging columns for this step's rows
         self.fresh_selections = 0  # selections of rows computed this step (tail, direct)
         self.step_req_ids: list[str] = []  # requests scheduled in the current step
-        # this step's newest_blocks(...) per (group, tokens_per_block); the hook asks per layer
-        self.newest: dict[tuple[int, int], dict[int, str]] = {}
+        self.routing = StepRouting()  # this step's plans; the hook asks once per layer
         self.failed_unreported: dict[str, str] = {}  # for the scheduler (worker metadata)
         self.failed_total = 0
         # metrics (stats.py): valid selections counted here, independently of the resolver's
@@ -90,13 +93,7 @@ class WorkerSide:
 
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for name in self.layers:
-            if name not in kv_caches:
-                raise ValueError(f"sparse layer {name!r} has no KV cache; caches: {sorted(kv_caches)}")
-            cache = kv_caches[name].view(torch.uint8)
-            # A block is [rows x 576 data][rows x 8 scales], padded to a 576 B
-            # multiple (attention.py:873); logical rows are data + scales.
-            self.caches[name] = cache.reshape(cache.shape[0], -1)
+        self.vllm_cache.register(kv_caches, self.layers)
         plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
                              self.max_num_seqs, self.max_queries)
         self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
@@ -116,7 +113,7 @@ class WorkerSide:
     def begin_step(self, meta: DHiSparseMetadata) -> None:
         h = self.hierarchy
         assert h is not None, "register_kv_caches must run before the first step"
-        self.newest.clear()
+        self.routing.clear()
         for rid in sorted(meta.finished | meta.preempted):
             req = self.requests.pop(rid, None)
             if req is not None and req.admitted:
@@ -215,21 +212,8 @@ class WorkerSide:
         return req.num_computed_tokens // layer.compress_ratio  # eq. 8: complete rows only
 
     def _vllm_rows(self, req: TrackedRequest, layer: SparseLayer, start: int, end: int) -> torch.Tensor:
-        return self._vllm_rows_at(req, layer, torch.arange(start, end, dtype=torch.int64))
-
-    def _vllm_rows_at(self, req: TrackedRequest, layer: SparseLayer, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` of ``req`` as vLLM's paged cache holds them.  # [n, row_bytes] uint8"""
-        cache = self.caches[layer.name]  # [blocks, block_bytes] uint8
-        blocks = torch.tensor(req.block_ids[layer.group], dtype=torch.int64)
-        rows = rows.to(torch.int64).cpu()
-        b = blocks[rows // layer.rows_per_block].to(cache.device)
-        pos = (rows % layer.rows_per_block).to(cache.device)
-        parts, plane_start = [], 0
-        for seg in layer.segments:  # plane s of a block starts after rows_per_block rows of s-1
-            cols = plane_start + pos[:, None] * seg + torch.arange(seg, device=cache.device)
-            parts.append(cache[b[:, None], cols])
-            plane_start += layer.rows_per_block * seg
-        return torch.cat(parts, dim=1)
+        return self.vllm_cache.rows(layer, req.block_ids[layer.group],
+                                    torch.arange(start, end, dtype=torch.int64))
 
     def _admit(self, req: TrackedRequest) -> None:
         self._inject("admit", req.req_id)
@@ -263,65 +247,21 @@ class WorkerSide:
         pool = self.hierarchy.source(layer.name).pool
         return pool.storage.view(1, -1), pool.num_rows
 
-    def rows_to_requests(self, block_table: torch.Tensor, layer: SparseLayer,
-                         seq_lens: torch.Tensor, token_rows: torch.Tensor | None = None
-                         ) -> list[str | None]:
-        """Batch row -> admitted request id, matched by the block holding the request's
-        newest token.  That block is live (never behind the device window), so it belongs
-        to one running request only; a request's first block may have been freed and
-        handed to another request (stale in the worker's block table).  The block -> request
-        map is built once per step and (group, tokens per block): every layer asks."""
-        tokens_per_block = layer.rows_per_block * layer.compress_ratio
-        key = (layer.group, tokens_per_block)
-        check = key not in self.newest
-        if check:
-            self.newest[key] = newest_blocks(self.requests.values(), *key)
-        newest = self.newest[key]
-        rows = min(block_table.shape[0], seq_lens.shape[0])
-        cols = ((seq_lens[:rows].to(torch.int64) - 1).clamp(min=0) // tokens_per_block).cpu()
-        cols = cols.clamp(max=block_table.shape[1] - 1)
-        ids = block_table[:rows].cpu().gather(1, cols.view(-1, 1)).flatten().tolist()
-        out = [newest.get(int(b)) for b in ids] + [None] * (block_table.shape[0] - rows)
-        if check and token_rows is not None:
-            self.check_identity(out, seq_lens, token_rows)
-        return out
+    def routing_plan(self, layer: SparseLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     token_rows: torch.Tensor) -> RoutingPlan:
+        """This step's plan for ``layer``'s KV cache group (routing.py): built on the first
+        ask, reused by the group's other layers."""
+        return self.routing.plan(self.requests, layer.group,
+                                 layer.rows_per_block * layer.compress_ratio, block_table,
+                                 seq_lens, token_rows)
 
-    def check_identity(self, rows_req: list[str | None], seq_lens: torch.Tensor,
-                       token_rows: torch.Tensor) -> None:
-        """Fails loudly rather than resolve one request's tokens against another's tables:
-        every routed batch row is a distinct request whose sequence length and token count
-        this step are the ones the scheduler sent for it."""
-        counts = torch.bincount(token_rows.cpu().to(torch.int64), minlength=len(rows_req)).tolist()
-        lens = seq_lens.cpu().tolist()
-        seen: set[str] = set()
-        for row, rid in enumerate(rows_req):
-            if rid is None:
-                continue
-            req = self.requests[rid]
-            want = req.num_computed_tokens + req.num_scheduled_tokens
-            got = lens[row] if row < len(lens) else None
-            if rid in seen or got != want or counts[row] != req.num_scheduled_tokens:
-                raise RuntimeError(
-                    f"DHiSparse: batch row {row} resolved to request {rid} but does not match it "
-                    f"(sequence length {got} vs {want}, {counts[row]} tokens vs "
-                    f"{req.num_scheduled_tokens} scheduled, seen twice: {rid in seen}); "
-                    f"refusing to read another request's rows")
-            seen.add(rid)
-
-    def resolve_tokens(self, layer: SparseLayer, req_rows: torch.Tensor, topk: torch.Tensor,
-                       rows_req: list[str | None]) -> torch.Tensor:
-        """Per-token top-k rows -> pool rows.  topk [T, k] int32 -> [T, k] int64."""
+    def resolve_tokens(self, layer: SparseLayer, plan: RoutingPlan, topk: torch.Tensor) -> torch.Tensor:
+        """Routed tokens' top-k rows -> pool rows.  topk [T_r, k] int32 -> [T_r, k] int64."""
         h = self.hierarchy
         parts = h.source(layer.name)
-        # A request's tokens are contiguous in vLLM's batch: group n = n-th run of
-        # equal rows, query j = position inside the run (anchor first, eq. 5).
-        runs, tok_n, counts = torch.unique_consecutive(
-            req_rows.cpu(), return_inverse=True, return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts  # [N]
-        tok_j = torch.arange(req_rows.numel()) - starts[tok_n]
-        req_ids = [rows_req[r] for r in runs.tolist()]
+        req_ids, tok_n, tok_j = plan.req_ids, plan.tok_n, plan.tok_j
         reqs = [self.requests[r] for r in req_ids]
-        n, kq, top_k = runs.numel(), int(counts.max()), topk.shape[1]
+        n, kq, top_k = len(req_ids), plan.num_queries, topk.shape[1]
         sel = torch.full((n, kq, top_k), -1, dtype=torch.int32, device=topk.device)
         sel[tok_n, tok_j] = topk.to(torch.int32)
         committed = torch.tensor([r.rows.get(layer.name, 0) for r in reqs],
@@ -361,7 +301,7 @@ class WorkerSide:
                 continue
             staging = parts.pool.page_rows(parts.residency.request(rid).staging)
             dst = staging[staging.numel() - want.numel():].to(sel.device)
-            parts.pool.write(dst, self._vllm_rows_at(reqs[i], layer, want))
+            parts.pool.write(dst, self.vllm_cache.rows(layer, reqs[i].block_ids[layer.group], want))
             locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
         if self.corrupt_mapping:
             _corrupt_one(locs)
@@ -374,27 +314,11 @@ class WorkerSide:
             self._take_hierarchy_failures()
             if self.cfg.stats_file:
                 write_json_atomic(self.cfg.stats_file, self.summary())
-        self.newest.clear()  # admissions and failures changed the block -> request map
+        self.routing.clear()  # admissions and failures changed who is routed
 
     def summary(self) -> dict:
-        """Counters summed over sources (this step's rows count as direct: they are tail rows)."""
-        st = self.hierarchy.stats()
-        tot = dict(selected=0, direct=self.fresh_selections, hot=0, host=0, fetched=0,
-                   bytes_fetched=0, verify_host_selections=0, verify_fetched=0, resolve_calls=0,
-                   state_repairs=0)
-        for src in st["sources"].values():
-            r = src["resolver"]
-            for key in ("direct", "hot", "host", "fetched", "bytes_fetched",
-                        "verify_host_selections", "verify_fetched", "state_repairs"):
-                tot[key] += r[key]
-            tot["resolve_calls"] += r["calls"]
-        tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
-        tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
-                   finished=st["finished"], preempted=st["preempted"], failed=self.failed_total,
-                   step=st["step"], admitted=st["admitted"],
-                   device_pool_bytes=self.device_pool_bytes,
-                   host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
-        return dict(totals=tot, sources=st["sources"])
+        """Counters summed over sources (stats.summarize)."""
+        return summarize(self)
 
     def take_failed(self) -> dict[str, str]:
         out, self.failed_unreported = self.failed_unreported, {}
@@ -405,17 +329,6 @@ class WorkerSide:
         return self.stats_collector.collect(self)
 
 
-def newest_blocks(requests, group: int, tokens_per_block: int) -> dict[int, str]:
-    """Block holding each admitted request's newest token (this step's) -> request id."""
-    newest = {}
-    for r in requests:
-        blocks = r.block_ids[group] if r.admitted else None
-        n = r.num_computed_tokens + r.num_scheduled_tokens
-        if blocks and n > 0 and (n - 1) // tokens_per_block < len(blocks):
-            newest[blocks[(n - 1) // tokens_per_block]] = r.req_id
-    return newest
-
-
 def _corrupt_one(locs: torch.Tensor) -> None:
     """TEST ONLY: point one selection at another selected row (proves E2E tests can fail)."""
     flat = locs.view(-1)
@@ -424,18 +337,3 @@ def _corrupt_one(locs: torch.Tensor) -> None:
         a, b = int(valid[0]), int(valid[1])
         if int(flat[a]) != int(flat[b]):
             flat[a] = flat[b]
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    """Readers see the old file or the new one, never a partial write; the temp file is
-    created exclusively (mkstemp) next to ``path``, so no other file is overwritten."""
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
