@@ -22,9 +22,10 @@ def request(rid: str, prompt: int, outputs: int = 0):
                            sampling_params=SimpleNamespace(max_tokens=16))
 
 
-def output(new=(), cached=(), resumed=(), preempted=(), finished=()):
+def output(new=(), cached=(), resumed=(), preempted=(), finished=(), drafts=None):
     """new / cached: (rid, num_computed_tokens, num_scheduled_tokens)."""
     return SimpleNamespace(
+        scheduled_spec_decode_tokens=drafts or {},
         scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=([1],),
                                             prompt_token_ids=None) for r, c, _ in new],
         scheduled_cached_reqs=SimpleNamespace(
@@ -84,6 +85,25 @@ def test_preempted_and_resumed_in_one_step(side):
     meta = side.build_connector_meta(output(cached=[("d", 0, 1003)], resumed=["d"],
                                             preempted=["d"]))
     assert completes(meta) == {"d": True} and WINDOW_FROM["d"] == 1003
+
+
+def test_placeholder_drafts_are_not_prefill(side):
+    """vLLM pads a one-token step of a waiting request to 1 + K with placeholder drafts."""
+    side.on_new_request(request("f", 3000))
+    meta = side.build_connector_meta(output(new=[("f", 2999, 4)], drafts={"f": [-1, -1, -1]}))
+    (rs,) = meta.requests
+    assert rs.completes_prefill and rs.num_spec_tokens == 3 and WINDOW_FROM["f"] == 3000
+
+
+def test_streaming_input_session_keeps_its_blocks_and_prefills_each_turn(side):
+    req = request("s", 500)
+    req.resumable = True
+    side.on_new_request(req)
+    assert completes(side.build_connector_meta(output(new=[("s", 0, 500)]))) == {"s": True}
+    assert "s" not in WINDOW_FROM  # its blocks are the next turn's prefix: never windowed
+    req.num_tokens = 900  # turn 2 appended to prompt and outputs; scheduled as new again
+    meta = side.build_connector_meta(output(new=[("s", 510, 390)]))
+    assert completes(meta) == {"s": True} and "s" not in WINDOW_FROM
 
 
 def test_finish_forgets_the_request(side):

@@ -204,3 +204,22 @@ def test_a_batch_row_that_does_not_match_its_request_is_refused():
     plan = plan_of(w, 0, LAYERS[0])
     assert plan.rows_req == ["a", None] and plan.token_idx.tolist() == [0, 1]
     assert plan.tok_j.tolist() == [0, 1] and not plan.all_routed
+
+
+def test_a_failing_batched_resolve_is_attributed_to_its_request(monkeypatch):
+    """Whatever raises inside the batched resolve: retried one request at a time, the
+    request whose resolve raises fails alone and reads no row."""
+    w = make_worker()
+    original = w.hierarchy.resolve
+
+    def resolve(source, req_ids, selections, *args, **kwargs):
+        if "a" in req_ids:
+            raise IndexError("bad selection")
+        return original(source, req_ids, selections, *args, **kwargs)
+    monkeypatch.setattr(w.hierarchy, "resolve", resolve)
+    w.begin_step(STEPS[0]["meta"])
+    plan = plan_of(w, 0, LAYERS[0])
+    locs = w.resolve_tokens(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32))
+    assert bool((locs == -1).all())
+    assert w.take_failed() == {"a": "IndexError: bad selection"}
+    assert "a" not in w.hierarchy.requests

@@ -62,8 +62,10 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
     mla = meta[attn.prefix]
     req_idx = swa.token_to_req_indices  # [T] row of each token in the block tables
     num_tokens = q.shape[0]
+    qsl = getattr(swa, "query_start_loc_cpu", None)  # padding tokens map to row 0: leave out
+    real = min(num_tokens, int(qsl[-1])) if qsl is not None and qsl.numel() else num_tokens
     # which tokens the hierarchy serves, and whose (routing.py; checked, one per group/step)
-    plan = worker.routing_plan(layer, mla.block_table, swa.seq_lens, req_idx[:num_tokens])
+    plan = worker.routing_plan(layer, mla.block_table, swa.seq_lens, req_idx[:real])
     if not plan.any_routed:
         return _original_forward_mqa(attn, q, kv, positions, output)
     idx = plan.token_idx  # [T_r]

@@ -22,6 +22,8 @@ class RequestStep:
     # This step computes the last of the request's known tokens (prompt, plus the
     # outputs a resumed request replays): the worker admits it after the forward.
     completes_prefill: bool = False
+    # Of num_scheduled_tokens, draft (or placeholder draft) tokens: never committed.
+    num_spec_tokens: int = 0
 
 
 @dataclass

@@ -30,6 +30,9 @@ from vllm_dhisparse.hierarchy.specs import SourceSpec
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 GIB = 2**30
+# What install_budget took off vLLM's KV budget in this process (None: not wrapped);
+# register_kv_caches must allocate exactly that.
+BUDGETED_BYTES: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,15 @@ def device_pool_bytes(plans: list[SourcePlan]) -> int:
     return sum(p.spec.device_pages * p.spec.page_size * p.spec.row_bytes for p in plans)
 
 
+def check_budgeted(plans: list[SourcePlan]) -> None:
+    """The pools about to be allocated are the ones taken off vLLM's budget."""
+    if BUDGETED_BYTES is not None and device_pool_bytes(plans) != BUDGETED_BYTES:
+        raise RuntimeError(
+            f"DHiSparse: the device pools need {device_pool_bytes(plans)} B but "
+            f"{BUDGETED_BYTES} B were taken off vLLM's KV budget (the c4a block size of "
+            f"vLLM's KV cache config differs from cache_config.block_size)")
+
+
 def _max_queries(vllm_config) -> int:
     spec = vllm_config.speculative_config
     return 1 + (spec.num_speculative_tokens if spec is not None else 0)
@@ -132,7 +144,9 @@ def install_budget() -> None:
         available = original(self)
         if not _connector_on(self.vllm_config):
             return available
+        global BUDGETED_BYTES
         pools = device_pool_bytes(budget_plans(self.vllm_config))
+        BUDGETED_BYTES = pools
         if pools >= available:
             raise ValueError(
                 f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "

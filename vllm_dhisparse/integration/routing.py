@@ -69,13 +69,15 @@ def check_identity(requests: dict, rows_req: list[str | None], seq_lens: torch.T
 def build_plan(requests: dict, block_table: torch.Tensor, seq_lens: torch.Tensor,
                token_rows: torch.Tensor, group: int, tokens_per_block: int) -> RoutingPlan:
     """block_table [R, blocks] int32, seq_lens [>=R] int32, token_rows [T] (batch row of
-    each token)."""
+    each real token: padding tokens left out)."""
     newest = newest_blocks(requests.values(), group, tokens_per_block)
     n_rows = min(block_table.shape[0], seq_lens.shape[0])
     cols = ((seq_lens[:n_rows].to(torch.int64) - 1).clamp(min=0) // tokens_per_block).cpu()
     cols = cols.clamp(max=block_table.shape[1] - 1)
     ids = block_table[:n_rows].cpu().gather(1, cols.view(-1, 1)).flatten().tolist()
-    rows_req = [newest.get(int(b)) for b in ids] + [None] * (block_table.shape[0] - n_rows)
+    live = (seq_lens[:n_rows] > 0).cpu().tolist()  # padding rows (length 0) are nobody's
+    rows_req = [newest.get(int(b)) if alive else None for b, alive in zip(ids, live)] \
+        + [None] * (block_table.shape[0] - n_rows)
     check_identity(requests, rows_req, seq_lens, token_rows)
     token_rows = token_rows.cpu().to(torch.int64)
     routed = torch.tensor([rows_req[r] is not None for r in token_rows.tolist()], dtype=torch.bool)

@@ -51,17 +51,30 @@ class SchedulerSide:
         WINDOW_FROM.pop(rid, None)
         return False, None
 
-    def _completes_prefill(self, rid: str, num_computed: int, num_scheduled: int) -> bool:
-        """True once, for the step that computes the request's last known token."""
+    def _completes_prefill(self, rid: str, num_computed: int, num_real: int) -> bool:
+        """True once, for the step that computes the request's last known token
+        (``num_real``: scheduled tokens minus (placeholder) drafts)."""
         req = self._requests.get(rid)
         if rid in self._prefilled or req is None:
             return False
-        done = num_computed + num_scheduled
+        done = num_computed + num_real
         if done < req.num_tokens:
             return False
         self._prefilled.add(rid)
-        WINDOW_FROM[rid] = done
+        # A resumable (streaming-input) request keeps its blocks between turns and
+        # prefills again on top of them: the window never frees its blocks.
+        if not getattr(req, "resumable", False):
+            WINDOW_FROM[rid] = done
         return True
+
+    def _new_prefill(self, rid: str) -> None:
+        """A request scheduled as new starts a prefill (first turn, next turn of a
+        streaming-input session, or a resume after preemption)."""
+        self._prefilled.discard(rid)
+        req = self._requests.get(rid)
+        sp = getattr(req, "sampling_params", None)
+        max_tokens = getattr(sp, "max_tokens", None) if sp is not None else None
+        self._max_tokens[rid] = max_tokens or self.max_model_len
 
     def _prompt_len(self, rid: str) -> int:
         req = self._requests.get(rid)
@@ -74,28 +87,37 @@ class SchedulerSide:
         for rid in meta.preempted:  # before this step's requests: a resume may follow at once
             self._prefilled.discard(rid)
             WINDOW_FROM.pop(rid, None)
+        drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for new in out.scheduled_new_reqs:
             rid = new.req_id
+            self._new_prefill(rid)
             scheduled = out.num_scheduled_tokens.get(rid, 0)
+            spec = len(drafts.get(rid, ()))
             meta.requests.append(RequestStep(
                 req_id=rid, num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=scheduled,
                 prompt_len=self._prompt_len(rid) or len(new.prompt_token_ids or ()),
                 block_ids=tuple(list(b) for b in new.block_ids), replace_blocks=True,
                 max_tokens=self._max_tokens.get(rid, self.max_model_len),
-                completes_prefill=self._completes_prefill(rid, new.num_computed_tokens, scheduled)))
+                completes_prefill=self._completes_prefill(rid, new.num_computed_tokens,
+                                                          scheduled - spec),
+                num_spec_tokens=spec))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
             computed = cached.num_computed_tokens[i]
             scheduled = out.num_scheduled_tokens.get(rid, 0)
+            spec = len(drafts.get(rid, ()))
+            if rid in cached.resumed_req_ids:
+                self._new_prefill(rid)
             meta.requests.append(RequestStep(
                 req_id=rid, num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                 prompt_len=self._prompt_len(rid),
                 block_ids=tuple(list(b) for b in blocks) if blocks is not None else None,
                 replace_blocks=rid in cached.resumed_req_ids,
                 max_tokens=self._max_tokens.get(rid, self.max_model_len),
-                completes_prefill=self._completes_prefill(rid, computed, scheduled)))
+                completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
+                num_spec_tokens=spec))
         meta.finished = set(out.finished_req_ids) | self._finished
         self._finished = set()
         return meta

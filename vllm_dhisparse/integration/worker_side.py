@@ -39,7 +39,7 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
-from .pool_sizing import device_pool_bytes, plan_sources
+from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources
 from .routing import RoutingPlan, StepRouting
 from .stats import StatsCollector, summarize, time_resolve_enabled, write_json_atomic
 from .vllm_cache import VllmC4aCaches
@@ -55,6 +55,7 @@ class TrackedRequest:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # this step's tokens (prefill chunk, or anchor + drafts)
+    num_spec_tokens: int = 0  # of those, drafts: computed this step but never committed
     prefill_complete: bool = False  # its known tokens are computed (or are this step)
     admitted: bool = False
     failed: str | None = None
@@ -96,6 +97,7 @@ class WorkerSide:
         self.vllm_cache.register(kv_caches, self.layers)
         plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
                              self.max_num_seqs, self.max_queries)
+        check_budgeted(plans)
         self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
         self.device_pool_bytes = device_pool_bytes(plans)
         specs = [p.spec for p in plans]
@@ -133,6 +135,7 @@ class WorkerSide:
                     group.extend(new)
             req.num_computed_tokens = rs.num_computed_tokens
             req.num_scheduled_tokens = rs.num_scheduled_tokens
+            req.num_spec_tokens = rs.num_spec_tokens
             if req.failed:
                 continue
             if req.admitted and rs.num_scheduled_tokens > self.max_queries:
@@ -198,8 +201,9 @@ class WorkerSide:
             req = self.requests.get(rid)
             if req is None or req.admitted or req.failed or not req.prefill_complete:
                 continue
-            req.num_computed_tokens += req.num_scheduled_tokens
-            req.num_scheduled_tokens = 0
+            # drafts (or placeholder drafts) computed this step are not history
+            req.num_computed_tokens += req.num_scheduled_tokens - req.num_spec_tokens
+            req.num_scheduled_tokens = req.num_spec_tokens = 0
             with self._isolated(req):
                 self._admit(req)
             if not req.admitted and not req.failed and window:
@@ -282,27 +286,44 @@ class WorkerSide:
                     wants[i] = want
         # A request failed in this step reads no row (its output is discarded with the
         # error); the others are resolved together.
-        ok = torch.tensor([i for i, r in enumerate(reqs) if not r.failed], dtype=torch.int64)
         locs = torch.full((n, kq, top_k), -1, dtype=torch.int64, device=sel.device)
-        if ok.numel():
+        committed_sel = torch.where(fresh, -1, sel)
+        ok = [i for i, r in enumerate(reqs) if not r.failed]
+        resolved = list(ok)  # the resolver counted these requests' selections
+        if ok:
             t0 = time.perf_counter()
-            got, _ = h.resolve(layer.name, [req_ids[i] for i in ok.tolist()],
-                               torch.where(fresh, -1, sel)[ok])
+            try:
+                got, _ = h.resolve(layer.name, [req_ids[i] for i in ok], committed_sel[ok])
+                locs[ok] = got.to(torch.int64)
+            except Exception:  # noqa: BLE001 -- find whose: one request at a time, isolated
+                logger.exception("DHiSparse: a batched resolve failed; resolving its %d requests "
+                                 "one by one", len(ok))
+                resolved = []
+                for i in ok:
+                    with self._isolated(reqs[i]):
+                        got, _ = h.resolve(layer.name, [req_ids[i]], committed_sel[i:i + 1])
+                        locs[i] = got[0].to(torch.int64)
+                        resolved.append(i)
             if self.time_resolve:
                 if sel.is_cuda:
                     torch.cuda.synchronize(sel.device)
                 self.resolve_times.append(time.perf_counter() - t0)
-            locs[ok] = got.to(torch.int64)
-            self.selected_rows += int((sel[ok] >= 0).sum())
-            self.fresh_selections += int(fresh[ok].sum())
         for i, want in wants.items():
-            rid = req_ids[i]
-            if reqs[i].failed:  # released meanwhile by the hierarchy
+            if reqs[i].failed:  # failed above, or released meanwhile by the hierarchy
                 continue
-            staging = parts.pool.page_rows(parts.residency.request(rid).staging)
-            dst = staging[staging.numel() - want.numel():].to(sel.device)
-            parts.pool.write(dst, self.vllm_cache.rows(layer, reqs[i].block_ids[layer.group], want))
-            locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
+            with self._isolated(reqs[i]):
+                staging = parts.pool.page_rows(parts.residency.request(req_ids[i]).staging)
+                dst = staging[staging.numel() - want.numel():].to(sel.device)
+                parts.pool.write(dst, self.vllm_cache.rows(layer, reqs[i].block_ids[layer.group],
+                                                           want))
+                locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
+        served = [i for i in ok if not reqs[i].failed]
+        for i in set(ok) - set(served):
+            locs[i] = -1
+        # selected = direct + hot + host: the resolver's census of what it resolved, plus
+        # this step's rows (direct) of the requests served
+        self.selected_rows += int((committed_sel[resolved] >= 0).sum()) + int(fresh[served].sum())
+        self.fresh_selections += int(fresh[served].sum())
         if self.corrupt_mapping:
             _corrupt_one(locs)
         return locs[tok_n, tok_j]
