@@ -23,6 +23,7 @@ from vllm_dhisparse.config import DHiSparseConfig
 from . import deepseek_v4, scheduler_hooks
 from .metadata import DHiSparseMetadata, DHiSparseWorkerMetadata
 from .model_probe import find_sparse_layers, require_sparse_indexer
+from .pool_sizing import max_queries
 from .scheduler_side import SchedulerSide
 from .stats import DHiSparseConnectorStats, DHiSparsePromMetrics
 from .support import check_supported
@@ -37,11 +38,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
-
-
-def _max_queries(vllm_config: "VllmConfig") -> int:
-    spec = vllm_config.speculative_config
-    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
 class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
@@ -64,7 +60,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_cache_config = kv_cache_config
             device = torch.device(vllm_config.device_config.device)
             self._worker_args = (max_len, vllm_config.scheduler_config.max_num_seqs,
-                                 _max_queries(vllm_config), device)
+                                 max_queries(vllm_config), device)
 
     # -- worker --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

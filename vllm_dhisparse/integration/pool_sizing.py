@@ -106,7 +106,8 @@ def check_budgeted(plans: list[SourcePlan]) -> None:
             f"vLLM's KV cache config differs from cache_config.block_size)")
 
 
-def _max_queries(vllm_config) -> int:
+def max_queries(vllm_config) -> int:
+    """Queries per request and step: the anchor plus the speculative tokens."""
     spec = vllm_config.speculative_config
     return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
@@ -121,7 +122,7 @@ def budget_plans(vllm_config) -> list[SourcePlan]:
                          FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_SEGMENTS)
               for name, module in iter_sparse_modules(vllm_config)]
     return plan_sources(cfg, layers, vllm_config.model_config.max_model_len,
-                        vllm_config.scheduler_config.max_num_seqs, _max_queries(vllm_config))
+                        vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
 
 
 def _connector_on(vllm_config) -> bool:

@@ -31,22 +31,17 @@ class SchedulerSide:
     def __init__(self, max_model_len: int):
         self.max_model_len = max_model_len
         self._requests: dict[str, "Request"] = {}
-        self._max_tokens: dict[str, int] = {}
         self._prefilled: set[str] = set()  # prefill complete (until preempted)
         self._finished: set[str] = set()
         self._step = 0
 
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
-        sp = request.sampling_params
-        max_tokens = getattr(sp, "max_tokens", None) if sp is not None else None
-        self._max_tokens[request.request_id] = max_tokens or self.max_model_len
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._finished.add(rid)
         self._requests.pop(rid, None)
-        self._max_tokens.pop(rid, None)
         self._prefilled.discard(rid)
         WINDOW_FROM.pop(rid, None)
         return False, None
@@ -67,18 +62,14 @@ class SchedulerSide:
             WINDOW_FROM[rid] = done
         return True
 
-    def _new_prefill(self, rid: str) -> None:
-        """A request scheduled as new starts a prefill (first turn, next turn of a
-        streaming-input session, or a resume after preemption)."""
-        self._prefilled.discard(rid)
-        req = self._requests.get(rid)
-        sp = getattr(req, "sampling_params", None)
-        max_tokens = getattr(sp, "max_tokens", None) if sp is not None else None
-        self._max_tokens[rid] = max_tokens or self.max_model_len
-
     def _prompt_len(self, rid: str) -> int:
         req = self._requests.get(rid)
         return req.num_prompt_tokens if req is not None else 0
+
+    def _max_tokens(self, rid: str) -> int:
+        """The request's own limit (a streaming-input session updates it per turn)."""
+        sp = getattr(self._requests.get(rid), "sampling_params", None)
+        return getattr(sp, "max_tokens", None) or self.max_model_len
 
     def build_connector_meta(self, out: "SchedulerOutput") -> DHiSparseMetadata:
         meta = DHiSparseMetadata(step=self._step)
@@ -90,7 +81,7 @@ class SchedulerSide:
         drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for new in out.scheduled_new_reqs:
             rid = new.req_id
-            self._new_prefill(rid)
+            self._prefilled.discard(rid)  # a new prefill: first turn, next turn or resume
             scheduled = out.num_scheduled_tokens.get(rid, 0)
             spec = len(drafts.get(rid, ()))
             meta.requests.append(RequestStep(
@@ -98,7 +89,7 @@ class SchedulerSide:
                 num_scheduled_tokens=scheduled,
                 prompt_len=self._prompt_len(rid) or len(new.prompt_token_ids or ()),
                 block_ids=tuple(list(b) for b in new.block_ids), replace_blocks=True,
-                max_tokens=self._max_tokens.get(rid, self.max_model_len),
+                max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, new.num_computed_tokens,
                                                           scheduled - spec),
                 num_spec_tokens=spec))
@@ -109,13 +100,13 @@ class SchedulerSide:
             scheduled = out.num_scheduled_tokens.get(rid, 0)
             spec = len(drafts.get(rid, ()))
             if rid in cached.resumed_req_ids:
-                self._new_prefill(rid)
+                self._prefilled.discard(rid)
             meta.requests.append(RequestStep(
                 req_id=rid, num_computed_tokens=computed, num_scheduled_tokens=scheduled,
                 prompt_len=self._prompt_len(rid),
                 block_ids=tuple(list(b) for b in blocks) if blocks is not None else None,
                 replace_blocks=rid in cached.resumed_req_ids,
-                max_tokens=self._max_tokens.get(rid, self.max_model_len),
+                max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
                 num_spec_tokens=spec))
         meta.finished = set(out.finished_req_ids) | self._finished

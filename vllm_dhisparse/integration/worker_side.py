@@ -273,12 +273,13 @@ class WorkerSide:
         fresh = sel >= committed  # rows computed this step: not in the hierarchy yet
         cap = self.fresh_rows[layer.name]
         wants: dict[int, torch.Tensor] = {}
+        has_fresh = fresh.flatten(1).any(1).tolist()  # one host read for all requests
         for i, req in enumerate(reqs):
             if req.failed:
                 continue
             with self._isolated(req):
                 self._inject("resolve", req.req_id)
-                if bool(fresh[i].any()):
+                if has_fresh[i]:
                     want = torch.unique(sel[i][fresh[i]].to(torch.int64))
                     if want.numel() > cap:
                         raise RuntimeError(f"{want.numel()} rows computed this step exceed the "

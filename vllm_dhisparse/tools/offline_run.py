@@ -69,12 +69,18 @@ def build_llm(args, stats_file: str | None):
     return LLM(**kw)
 
 
+def in_process_scheduler(llm):
+    """vLLM's scheduler when the engine core runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
 def running_requests(llm) -> int | None:
     """vLLM's running-request count (the scheduler's ``running`` queue, the number behind
     ``vllm:num_requests_running``); needs the in-process engine core
     (VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(core, "scheduler", None)
+    sched = in_process_scheduler(llm)
     return None if sched is None else len(sched.running)
 
 
@@ -96,8 +102,7 @@ def kv_tensor_bytes(llm) -> int | None:
 def decode_blocks(llm) -> list[int] | None:
     """Per KV cache group: the most blocks (not freed) any *decoding* request holds now
     (a request counts once it decoded one token: vLLM frees at the next allocation)."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(core, "scheduler", None)
+    sched = in_process_scheduler(llm)
     if sched is None:
         return None
     managers = sched.kv_cache_manager.coordinator.single_type_managers
@@ -113,8 +118,7 @@ def decode_blocks(llm) -> list[int] | None:
 
 def preemptions(llm, seen: dict[str, int]) -> None:
     """Per request: how often vLLM preempted it so far (in-process engine core only)."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(core, "scheduler", None)
+    sched = in_process_scheduler(llm)
     for rid, req in (sched.requests.items() if sched is not None else ()):
         seen[rid] = max(seen.get(rid, 0), req.num_preemptions)
 
@@ -123,8 +127,7 @@ def preempt(llm, rid_prefix: str) -> bool:
     """Preempts a running request the way vLLM's scheduler does when blocks run out (out
     of the running queue, then ``_preempt_request``: blocks freed, back to waiting).
     Both arms alike, so both run the same batches; in-process engine core only."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(core, "scheduler", None)
+    sched = in_process_scheduler(llm)
     if sched is None:
         raise SystemExit("--preempt needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
     for req in list(sched.running):
