@@ -317,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graph", action="store_true", help="time eager launches only")
     ap.add_argument("--name", default="bench_resolve", help="results file stem")
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results file, no runs")
+    ap.add_argument("--set", action="append", default=[], metavar="_NAME=INT",
+                    help="override a launcher constant of our resolve module for this run "
+                         "(recorded in the results file), e.g. --set _EARLY_STATE=0")
     args = ap.parse_args(argv)
     if args.replot:
         import json
@@ -332,6 +335,7 @@ def main(argv=None) -> int:
         return 2
     resolve_fn, gather_fn = C.load_impl(args.impl)
     graph = not args.no_graph and args.impl == "triton" and dev.type == "cuda"
+    overrides = C.apply_overrides(args.set)
     meta = C.metadata()
     print(f"# bench_resolve on {meta['device']} ({meta['date_utc']}), impl={args.impl}, "
           f"{'smoke' if args.smoke else 'full'} sizes")
@@ -389,7 +393,8 @@ def main(argv=None) -> int:
             targets.append((f"no-miss B={key_b} k={cfg['nm_topk']} batch {key_n} {mode}: "
                             f"{p['median_ms'] * 1e3:.1f} us < 18.7 us", p["median_ms"] * 1e3 < 18.7))
 
-    payload = dict(meta=meta, impl=args.impl, smoke=args.smoke, config=cfg, pinned_h2d=pinned,
+    payload = dict(meta=meta, impl=args.impl, kernel_overrides=overrides, smoke=args.smoke,
+                   config=cfg, pinned_h2d=pinned,
                    miss_path=miss_points, miss_fits=fits, nomiss_path=nm_points,
                    targets=[dict(target=t, passed=ok) for t, ok in targets],
                    correctness_failures=failures)

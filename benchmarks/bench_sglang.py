@@ -217,25 +217,6 @@ def check_sglang(mod, sg, st, cfg, host) -> str | None:
     return None
 
 
-def apply_overrides(items: list) -> dict:
-    """``_NAME=INT`` strings -> set on vllm_dhisparse.triton_kernels.resolve."""
-    mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    valid = sorted(k for k, v in vars(mod).items()
-                   if k.startswith("_") and k[1:].isupper() and type(v) in (int, bool)
-                   and k not in ("_INT32_MAX", "_MAX_WIDTH", "_MAX_BUDGET"))  # limits
-    out = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        if name not in valid:
-            raise SystemExit(f"--set {item!r}: unknown constant {name!r}; valid: {valid}")
-        try:
-            out[name] = int(value)
-        except ValueError:
-            raise SystemExit(f"--set {item!r}: value must be an integer") from None
-        setattr(mod, name, out[name])
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true")
@@ -247,7 +228,7 @@ def main(argv=None) -> int:
                     help="override a launcher constant of our resolve module for this run "
                          "(recorded in the results file), e.g. --set _COPY_ELEMS=8192")
     args = ap.parse_args(argv)
-    overrides = apply_overrides(args.set)
+    overrides = C.apply_overrides(args.set)
     cfg = dict(SMOKE if args.smoke else REAL, sglang_block_size=args.sglang_block_size)
     name = args.name or ("bench_sglang_smoke" if args.smoke else "bench_sglang")
     dev = C.device()

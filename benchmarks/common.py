@@ -28,6 +28,7 @@ into a separate device region that holds a copy of the host rows.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 import json
 import math
 import os
@@ -439,6 +440,25 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
 
 
 # ------------------------------------------------------------------ output
+def apply_overrides(items: list) -> dict:
+    """``_NAME=INT`` strings -> set on vllm_dhisparse.triton_kernels.resolve."""
+    mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    valid = sorted(k for k, v in vars(mod).items()
+                   if k.startswith("_") and k[1:].isupper() and type(v) in (int, bool)
+                   and k not in ("_INT32_MAX", "_MAX_WIDTH", "_MAX_BUDGET"))  # limits
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in valid:
+            raise SystemExit(f"--set {item!r}: unknown constant {name!r}; valid: {valid}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: value must be an integer") from None
+        setattr(mod, name, out[name])
+    return out
+
+
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -195,6 +195,38 @@ def test_padding_and_out_of_range_slot_ids(slot_id, repairs, path):
     w.guards_intact()
 
 
+
+@pytest.mark.parametrize("early", [True, False], ids=["early_state", "late_state"])
+def test_all_direct_call_leaves_the_hot_cache_state_alone(path, early, monkeypatch):
+    """A call whose selections are all direct (or padding) reads no hot-cache row: the
+    corrupted hot_pos and lru_order entries of its request stay as they are and are not
+    counted (kernel == reference), until the first call with a hit or a miss repairs
+    them.  Both ways the one-block kernel loads the two rows (early / late) agree."""
+    mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    monkeypatch.setattr(mod, "_EARLY_STATE", early)
+    copy = None if path == "chunked" else True
+    w = make_world()
+    w.make_direct(BAD_SLOT, [3, 10])
+    call_and_gather(w, selections(w, seed=1), copy)  # warm; creates the reference shadow
+    for table, value in (("hot_pos", lambda w: w.P + 3), ("lru_order", lambda w: -5)):
+        w._table = table
+        corrupt(w, table, value)
+    direct = {2: [4, 5, 27, 24], 0: [12, 15, 40, 43], 3: [0, 1, 2, 3]}  # ready pages only
+    sel = torch.full((len(SLOTS), 3, 4), -1, dtype=torch.int32)
+    for r, s in enumerate(SLOTS):
+        sel[r, 1] = torch.tensor(direct[s])
+    before = [t.clone() for t in w.state()]
+    out = call_and_gather(w, sel.to(DEVICE), copy)
+    w.check_bytes(sel, SLOTS, out[0])
+    assert out[4][:, COUNTER_REPAIRS].tolist() == [0, 0, 0]
+    assert out[4][:, 0].tolist() == [4, 4, 4]
+    for name, a, b in zip(STATE_NAMES, w.state(), before):
+        assert_same(name, a, b)  # corrupt entries included: nothing read, nothing written
+    later = call_and_gather(w, selections(w, seed=2, bad_positions=[44, 45]), copy)
+    assert int(later[4][BAD_ROW, COUNTER_REPAIRS]) >= 5  # 3 hot_pos + 2 lru_order entries
+    w.guards_intact()
+
+
 def test_reference_refuses_to_wrap_negative_slots():
     """Negative entries never index from the end (slot -1 used to become slot B-1)."""
     w = make_world()

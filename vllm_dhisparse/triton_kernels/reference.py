@@ -35,7 +35,9 @@ ever read or written outside the slot's own table rows and rows.  Per batch
 row with slot s, B hot slots, P positions and R device rows:
 
 * ``slot_ids[n]`` outside ``[-1, S)``: a padding row, one repair.
-* ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1).
+* ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1), by calls
+  with a hot hit or a miss (an all-direct call reads no hot-cache state; a bad entry
+  can never make a hit, since a hit needs ``hot_pos[s, v]`` to equal a row in ``[0, P)``).
 * ``lru_order[s]`` not a permutation of ``0..B-1`` (an entry outside ``[0, B)``, or
   one repeating a slot named earlier): the call uses the identity order instead
   (recency is forgotten, contents stay).  Counted once per such entry.  The order
@@ -101,14 +103,14 @@ def resolve_reference(
         if not 0 <= slot < n_slots:  # padding row
             counters[n, COUNTER_REPAIRS] = int(slot != -1)
             continue
-        # 0. the slot's hot-cache tables: out-of-range entries degrade to empty
+        # 0. the slot's hot-cache tables: out-of-range entries degrade to empty, repaired
+        #    in 3 by calls that read them (a hit or a miss)
         order = lru_order[slot].long()
         lru_bad = (order < 0) | (order >= budget)
         in_range = order[~lru_bad]
         repeats = in_range.numel() - torch.unique(in_range).numel()
         hp_bad = (hot_pos[slot] < -1) | (hot_pos[slot] >= max_pos)
-        repairs = int(hp_bad.sum())
-        hot_pos[slot, hp_bad] = -1
+        repairs = 0
 
         sel = selections[n].reshape(-1).long()  # [K*k]
         valid = (sel >= 0) & (sel < max_pos)
@@ -141,7 +143,8 @@ def resolve_reference(
         host = nondirect & ~hot
         uses_lru = bool(hot.any()) or bool(host.any())
         if uses_lru:
-            repairs += int(lru_bad.sum()) + repeats
+            repairs += int(hp_bad.sum()) + int(lru_bad.sum()) + repeats
+            hot_pos[slot, hp_bad] = -1
             if bool(lru_bad.any()) or repeats:
                 order = arange_b.clone()
         hot_slot_of[slot, pos[host & (v != -1)]] = -1

@@ -8,10 +8,13 @@ No whole-block sort and no pass over the hot cache unless it is needed.  Phases 
 program (batch row n, request slot s), separated by CTA barriers; the passes
 after phase 1 run only when their counts are non-zero:
 
-  0. the slot's lru_order and hot_pos rows are range-checked (loaded while phase 1
-     waits on its own loads); out-of-range hot_pos entries are emptied in 1b, and
-     phase 3 (the only reader of lru_order) also checks that the order is a
-     permutation, replacing it by the identity when it is not.
+  0. the slot's lru_order and hot_pos rows are range-checked, only by calls with a
+     hit or a miss (known after phase 1's reduction), so an all-direct call reads
+     no hot-cache row; when B fits one block the two rows may be loaded while phase
+     1 waits on its own loads (_EARLY_STATE), the check itself stays conditional.
+     Out-of-range hot_pos entries are emptied in 1b, and phase 3 (the only reader
+     of lru_order) also checks that the order is a permutation, replacing it by
+     the identity when it is not.
   1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
      -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
      -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
@@ -78,6 +81,9 @@ _COPY_ELEMS = 4096  # words in flight per step of the fused copy
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MARK_STORE = True  # in-place LRU modes: hits mark their slot with a store (no atomic)
 _MAX_BUDGET = 2**15 - 1  # B: bad-entry counts share an int32 in 16-bit fields
+_EARLY_STATE = True  # LRU_MODE 1: load the slot's lru_order / hot_pos rows before phase 1's
+# lookups return (hides their latency on hit / miss calls; the check stays conditional)
+_MANY_MAXNREG = 0  # register cap of the many-programs path (0: the compiler's choice)
 
 
 def _num_warps(sort_max: int) -> int:
@@ -288,6 +294,7 @@ def _resolve_kernel(
     LRU_MODE: tl.constexpr,  # 1: B in one block, in place; 0: chunks through scratch
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
     MARK_STORE: tl.constexpr,  # LRU_MODE 1 only: hits mark with a store, phase 3 counts
+    EARLY_STATE: tl.constexpr,  # LRU_MODE 1 only: hot-cache rows loaded before the lookups
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
 ):
@@ -313,16 +320,13 @@ def _resolve_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
 
-    # 0. entry state of the slot's hot cache, loaded while phase 1 waits on its own loads
+    # 0. (one block, _EARLY_STATE) the slot's hot-cache rows, loaded while phase 1
+    #    waits on its own loads; checked below only if the call reads the hot cache
     if LRU_MODE == 1:
         mb_all = real & (offs_b < B)
-        lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
-        hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
-        hp_bad_all = mb_all & ((hp_all < -1) | (hp_all >= max_pos))
-        state = tl.sum((mb_all & ((lru_all < 0) | (lru_all >= B))).to(tl.int32)
-                       + (hp_bad_all.to(tl.int32) << 16))
-    else:
-        state = _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B, N_CHUNKS_B)
+        if EARLY_STATE:
+            lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
+            hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
 
     # 1a. lookups on the entry state: direct -> hot -> host (no state table written yet)
     n_direct = 0
@@ -349,6 +353,22 @@ def _resolve_kernel(
             n_hot += n_hot_c
             n_host += n_host_c
             repairs += n_rep_c
+    # 0. entry state of the slot's hot cache, checked only when a hit or a miss will
+    #    read it (an all-direct call leaves it alone, as the reference does)
+    uses = (n_hot + n_host) > 0
+    state = 0
+    if LRU_MODE == 1:
+        mb_all = mb_all & uses
+        if not EARLY_STATE:
+            lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
+            hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
+        hp_bad_all = mb_all & ((hp_all < -1) | (hp_all >= max_pos))
+        if uses:
+            state = tl.sum((mb_all & ((lru_all < 0) | (lru_all >= B))).to(tl.int32)
+                           + (hp_bad_all.to(tl.int32) << 16))
+    else:
+        if uses:
+            state = _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B, N_CHUNKS_B)
     n_lru_bad = state & 0xFFFF  # counted in phase 3, the only reader of lru_order
     n_hp_bad = state >> 16
     repairs += n_hp_bad
@@ -677,6 +697,9 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
         copy_src, copy_dst, row_elems = miss_src, miss_src, 1
         src_stride = dst_stride = 1
     warps = _num_warps(sort_max)
+    extra = {}
+    if not one_wave and _MANY_MAXNREG and dev.type == "cuda":
+        extra["maxnreg"] = int(_MANY_MAXNREG)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
@@ -701,10 +724,12 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             LRU_MODE=lru_mode,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             MARK_STORE=lru_mode > 0 and _MARK_STORE,
+            EARLY_STATE=lru_mode > 0 and _EARLY_STATE,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
             num_warps=warps,
             num_stages=1,
+            **extra,
         )
     if copy and not fused:
         gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count)
