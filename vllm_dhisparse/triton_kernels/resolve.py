@@ -8,13 +8,14 @@ No whole-block sort and no pass over the hot cache unless it is needed.  Phases 
 program (batch row n, request slot s), separated by CTA barriers; the passes
 after phase 1 run only when their counts are non-zero:
 
-  0. the slot's lru_order and hot_pos rows are range-checked, only by calls with a
-     hit or a miss (known after phase 1's reduction), so an all-direct call reads
-     no hot-cache row; when B fits one block the two rows may be loaded while phase
-     1 waits on its own loads (_EARLY_STATE), the check itself stays conditional.
-     Out-of-range hot_pos entries are emptied in 1b, and phase 3 (the only reader
-     of lru_order) also checks that the order is a permutation, replacing it by
-     the identity when it is not.
+  0. the slot's lru_order and hot_pos rows are checked only by calls with a hit or
+     a miss (known after phase 1's reduction), so an all-direct call reads no
+     hot-cache row; when B fits one block the two rows may be loaded while phase 1
+     waits on its own loads (_EARLY_STATE).  Out-of-range hot_pos entries are
+     emptied in 1b.  lru_order must be a permutation: every in-range entry marks the
+     slot it names in scratch (random stores, no dependent reads), and phase 3 (the
+     only reader of lru_order) counts the unmarked slots with coalesced reads,
+     walking the identity order when there is one.
   1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
      -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
      -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
@@ -129,44 +130,45 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 
 @triton.jit
-def _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B: tl.constexpr,
+def _clear_marks(order_ptr, B, BLOCK_B: tl.constexpr, N_CHUNKS: tl.constexpr):
+    """Zeroes the B coverage marks in scratch (coalesced stores)."""
+    offs = tl.arange(0, BLOCK_B)
+    for c in tl.static_range(N_CHUNKS):
+        b = c * BLOCK_B + offs
+        tl.store(order_ptr + b, tl.zeros([BLOCK_B], tl.int32), mask=b < B)
+
+
+@triton.jit
+def _check_state(lru_row, hot_pos_row, order_ptr, B, max_pos, BLOCK_B: tl.constexpr,
                  N_CHUNKS: tl.constexpr):
-    """Out-of-range entries of the slot's lru_order (low 16 bits) and hot_pos (high).
-    Unrolled: every chunk's loads are in flight together (a runtime loop waited on
-    each chunk in turn, ~5 us at B = 4096 in chunks of 512)."""
+    """Out-of-range hot_pos entries of the slot (returned), and a coverage mark at every
+    slot its lru_order names (the order is a permutation iff no slot is left unmarked:
+    _unnamed_slots).  Unrolled: every chunk's loads are in flight together."""
     offs = tl.arange(0, BLOCK_B)
     acc = tl.zeros([BLOCK_B], tl.int32)
     for c in tl.static_range(N_CHUNKS):
         b = c * BLOCK_B + offs
-        mb = real & (b < B)
-        order = tl.load(lru_row + b, mask=mb, other=0)
+        mb = b < B
+        order = tl.load(lru_row + b, mask=mb, other=-1)
         hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
-        acc += (mb & ((order < 0) | (order >= B))).to(tl.int32)
-        acc += (mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32) << 16
+        tl.store(order_ptr + order, tl.full([BLOCK_B], 1, tl.int32),
+                 mask=mb & (order >= 0) & (order < B))
+        acc += (mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32)
     return tl.sum(acc)
 
 
 @triton.jit
-def _repeated_slots(lru_row, order_ptr, B, BLOCK_B: tl.constexpr):
-    """In-range lru_order entries that repeat a slot: each entry writes its position at
-    its slot in scratch, and an entry that reads back another position is a repeat
-    (in-range entries minus distinct slots).  Leaves the scratch free again."""
+def _unnamed_slots(order_ptr, B, BLOCK_B: tl.constexpr, N_CHUNKS: tl.constexpr):
+    """Slots without a coverage mark: the out-of-range entries of lru_order plus its
+    repeats (B entries name B - unnamed distinct slots), 0 iff it is a permutation.
+    Coalesced reads only (the marks sit at the slots' own indices)."""
     offs = tl.arange(0, BLOCK_B)
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs
-        order = tl.load(lru_row + b, mask=b < B, other=-1)
-        tl.store(order_ptr + order, b, mask=(b < B) & (order >= 0) & (order < B))
-    tl.debug_barrier()
     acc = tl.zeros([BLOCK_B], tl.int32)
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs
-        order = tl.load(lru_row + b, mask=b < B, other=-1)
-        inr = (b < B) & (order >= 0) & (order < B)
-        back = tl.load(order_ptr + order, mask=inr, other=0)
-        acc += (inr & (back != b)).to(tl.int32)
-    n = tl.sum(acc)
-    tl.debug_barrier()  # every read back before the scratch is reused
-    return n
+    for c in tl.static_range(N_CHUNKS):
+        b = c * BLOCK_B + offs
+        named = tl.load(order_ptr + b, mask=b < B, other=1)
+        acc += (named == 0).to(tl.int32)
+    return tl.sum(acc)
 
 
 @triton.jit
@@ -355,22 +357,26 @@ def _resolve_kernel(
             repairs += n_rep_c
     # 0. entry state of the slot's hot cache, checked only when a hit or a miss will
     #    read it (an all-direct call leaves it alone, as the reference does)
+    #    lru_order must be a permutation of the slots (phase 3 walks it): every entry
+    #    marks the slot it names in scratch, an unmarked slot means it is not (read
+    #    back coalesced in phase 3; cleared here first)
     uses = (n_hot + n_host) > 0
-    state = 0
+    n_hp_bad = 0
     if LRU_MODE == 1:
         mb_all = mb_all & uses
         if not EARLY_STATE:
             lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
             hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
         hp_bad_all = mb_all & ((hp_all < -1) | (hp_all >= max_pos))
+        tl.store(order_ptr + offs_b, tl.zeros_like(offs_b), mask=mb_all)
         if uses:
-            state = tl.sum((mb_all & ((lru_all < 0) | (lru_all >= B))).to(tl.int32)
-                           + (hp_bad_all.to(tl.int32) << 16))
+            n_hp_bad = tl.sum(hp_bad_all.to(tl.int32))
     else:
         if uses:
-            state = _check_state(lru_row, hot_pos_row, B, max_pos, real, BLOCK_B, N_CHUNKS_B)
-    n_lru_bad = state & 0xFFFF  # counted in phase 3, the only reader of lru_order
-    n_hp_bad = state >> 16
+            _clear_marks(order_ptr, B, BLOCK_B, N_CHUNKS_B)
+            tl.debug_barrier()  # cleared before any lane marks
+            n_hp_bad = _check_state(lru_row, hot_pos_row, order_ptr, B, max_pos, BLOCK_B,
+                                    N_CHUNKS_B)
     repairs += n_hp_bad
     tl.debug_barrier()  # every lookup read the entry state before any lane writes it
 
@@ -434,18 +440,19 @@ def _resolve_kernel(
     if n_hot + n_miss > 0:  # n_hot > 0 iff a slot was touched
         if LRU_MODE == 1:
             # lru_order must be a permutation of the slots, else the identity is used:
-            # each in-range entry writes its position at its slot, a repeat reads back
-            # another one; marks are counted over the slots in place (order-free)
+            # each in-range entry marks its slot (cleared in 1a), an unmarked slot is
+            # one the order does not name; hit marks are counted over the slots in
+            # place (order-free)
             mb = offs_b < B
             inr = mb & (lru_all >= 0) & (lru_all < B)
-            tl.store(order_ptr + lru_all, offs_b, mask=inr)
+            tl.store(order_ptr + lru_all, tl.full([BLOCK_B], 1, tl.int32), mask=inr)
             tl.debug_barrier()
-            back = tl.load(order_ptr + lru_all, mask=inr, other=0)
+            named = tl.load(order_ptr + offs_b, mask=mb, other=1)
             hp_lin = tl.load(hot_pos_row + offs_b, mask=mb, other=-1)
             hp = tl.load(hot_pos_row + lru_all, mask=inr, other=-1)
-            counts = tl.sum((inr & (back != offs_b)).to(tl.int32)
+            counts = tl.sum((mb & (named == 0)).to(tl.int32)
                             + ((mb & (hp_lin < -1)).to(tl.int32) << 16))
-            n_bad_order = n_lru_bad + (counts & 0xFFFF)
+            n_bad_order = counts & 0xFFFF  # out-of-range entries plus repeats
             repairs += n_bad_order
             identity = n_bad_order > 0  # recency forgotten, contents kept
             lru_all = tl.where(identity, offs_b, lru_all)
@@ -460,9 +467,10 @@ def _resolve_kernel(
             tl.debug_barrier()  # every lru entry read before any is overwritten
             tl.store(lru_row + new_at, lru_all, mask=mb)
         else:
-            n_repeats = _repeated_slots(lru_row, order_ptr, B, BLOCK_B)
-            repairs += n_lru_bad + n_repeats
-            identity = (n_lru_bad + n_repeats) > 0  # not a permutation: identity order
+            n_bad_order = _unnamed_slots(order_ptr, B, BLOCK_B, N_CHUNKS_B)
+            repairs += n_bad_order  # out-of-range entries plus repeats
+            identity = n_bad_order > 0  # not a permutation: identity order
+            tl.debug_barrier()  # every mark read before the new order is written there
             n_untouched = B - n_touch
             n_fill = tl.minimum(n_miss, n_untouched)
             n_left = n_untouched - n_fill  # untouched after the fills: front of new order
