@@ -217,6 +217,32 @@ def check_sglang(mod, sg, st, cfg, host) -> str | None:
     return None
 
 
+def compare(files: list, name: str) -> int:
+    """Our median per (batch, miss) cell in each results file, and SGLang's from the first."""
+    import json
+    runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in files]
+    cells = [(p["batch"], p["miss_frac"]) for p in runs[0][1]["points"]]
+    fig, ax = C.new_figure(1, "resolver median per cell (SGLang from the first file)", runs[0][1]["meta"])
+    a = ax[0]
+    width = 0.8 / (len(runs) + 1)
+    xs = range(len(cells))
+    for i, (label, d) in enumerate(runs):
+        by = {(p["batch"], p["miss_frac"]): p["ours"]["median_ms"] * 1e3 for p in d["points"]}
+        a.bar([x + i * width for x in xs], [by.get(c, float("nan")) for c in cells], width,
+              label=label)
+    sg = {(p["batch"], p["miss_frac"]): p["sglang"]["median_ms"] * 1e3
+          for p in runs[0][1]["points"] if p.get("sglang")}
+    a.bar([x + len(runs) * width for x in xs], [sg.get(c, float("nan")) for c in cells], width,
+          label="SGLang", color="gray")
+    a.set_xticks([x + 0.4 for x in xs], [f"{b}/{m:.0%}" for b, m in cells], fontsize=7)
+    a.set_yscale("log")
+    a.set_xlabel("batch / host misses")
+    a.set_ylabel("median (us)")
+    a.legend(fontsize=7)
+    C.save_figure(fig, name)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true")
@@ -227,7 +253,12 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="_NAME=INT",
                     help="override a launcher constant of our resolve module for this run "
                          "(recorded in the results file), e.g. --set _COPY_ELEMS=8192")
+    ap.add_argument("--compare", nargs="+", metavar="JSON",
+                    help="no runs: draw our median time per cell of several results files "
+                         "(label = file stem) next to each other, into --name")
     args = ap.parse_args(argv)
+    if args.compare:
+        return compare(args.compare, args.name or "bench_sglang_compare")
     overrides = C.apply_overrides(args.set)
     cfg = dict(SMOKE if args.smoke else REAL, sglang_block_size=args.sglang_block_size)
     name = args.name or ("bench_sglang_smoke" if args.smoke else "bench_sglang")
