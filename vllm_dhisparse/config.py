@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 RECLAIM_POLICIES = ("largest_first", "oldest_first", "least_recently_active")
 RESOLVER_BACKENDS = ("auto", "triton", "reference")
+SPEC_PRESETS = ("", "dspark", "dflash2")
 
 # key: (type, default, allowed / lower bound, help)
 _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
@@ -35,6 +36,8 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                           "requests require, plus one hot cache of optional history each"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
+    "spec": (str, "", SPEC_PRESETS, "speculative preset the engine must run ('' = whatever its "
+             "speculative_config says): dspark or dflash2 (vllm_dhisparse.spec)"),
 }
 
 # Fault injection for the E2E tests, read from the environment of the vLLM process, never
@@ -80,6 +83,7 @@ class DHiSparseConfig:
     device_pool_pages: int = 0
     resolver_backend: str = "auto"
     stats_file: str = ""
+    spec: str = ""
 
     def __post_init__(self):
         for key, (typ, _, allowed, _help) in _FIELDS.items():

@@ -40,6 +40,16 @@ def page_rows(rows: int, page_size: int) -> int:
     return ceil_div(rows, page_size) * page_size
 
 
+def draft_ring_rows(window: int, page_size: int, k_max: int) -> int:
+    """R_d (eq. 9): draft-KV rows a request holds at most, in whole pages."""
+    return page_rows(window + page_size - 1 + k_max, page_size)
+
+
+def staging_bytes(chi: int, sessions: int, k_max: int, top_k: int, row_bytes: int) -> int:
+    """M_stage (eq. 11): chi reused arenas of N * K_max * k staged rows."""
+    return chi * sessions * k_max * top_k * row_bytes
+
+
 @dataclass(frozen=True)
 class PayloadSource:
     """``count`` identical KV payload sources (e.g. 78 GLM layers, one each)."""
@@ -135,8 +145,7 @@ class ModelShape:
     def draft_ring_rows(self) -> int:
         if self.draft is None:
             return 0
-        d = self.draft
-        return page_rows(d.window + self.page_size - 1 + d.k_max, self.page_size)  # eq. 9
+        return draft_ring_rows(self.draft.window, self.page_size, self.draft.k_max)
 
     def draft_ring_bytes(self) -> int:
         return self.draft_ring_rows() * self.draft.row_bytes if self.draft else 0
@@ -153,7 +162,7 @@ class ModelShape:
             return 0
         chi = (sum(s.count for s in self.payload if s.offloaded) if dedicated
                else self.live_sources)
-        return chi * sessions * self.draft.k_max * self.top_k * self.staged_row_bytes()
+        return staging_bytes(chi, sessions, self.draft.k_max, self.top_k, self.staged_row_bytes())
 
     def staging_per_session_bytes(self) -> int:
         """eq. 11 divided by N (exact: the arena is linear in N)."""

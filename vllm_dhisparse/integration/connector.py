@@ -19,8 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 
 from vllm_dhisparse.config import DHiSparseConfig
+from vllm_dhisparse.spec import check_engine, ring_sizes
 
 from . import deepseek_v4, scheduler_hooks
+from .draft_ring import ring_block_size
 from .metadata import DHiSparseMetadata, DHiSparseWorkerMetadata
 from .model_probe import find_sparse_layers, require_sparse_indexer
 from .pool_sizing import max_queries
@@ -49,6 +51,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         check_supported(vllm_config)  # refuse what would give wrong tokens, in every process
         top_k = require_sparse_indexer(vllm_config.model_config)
         self.cfg.hot_rows_for(top_k)  # B < k is a start-up error, in every process
+        self.spec_sizes = check_engine(vllm_config, self.cfg.spec)  # None without DSpark/DFlash2
         self.scheduler_side: SchedulerSide | None = None
         self.dhisparse_worker: WorkerSide | None = None
         max_len = vllm_config.model_config.max_model_len
@@ -58,6 +61,9 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             deepseek_v4.install()
             self._kv_cache_config = kv_cache_config
+            ring_block = ring_block_size(kv_cache_config)
+            if self.spec_sizes is not None and ring_block:
+                self.spec_sizes.update(ring_sizes(self.spec_sizes, ring_block))
             device = torch.device(vllm_config.device_config.device)
             self._worker_args = (max_len, vllm_config.scheduler_config.max_num_seqs,
                                  max_queries(vllm_config), device)
@@ -65,7 +71,8 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = find_sparse_layers(self._vllm_config, self._kv_cache_config)
-        self.dhisparse_worker = WorkerSide(self.cfg, layers, *self._worker_args)
+        self.dhisparse_worker = WorkerSide(self.cfg, layers, *self._worker_args,
+                                           spec_sizes=self.spec_sizes)
         self.dhisparse_worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

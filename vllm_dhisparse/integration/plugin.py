@@ -23,6 +23,7 @@ def register() -> None:
         apply_cpu_compat()
     _register_connector()
     _install_kv_spec()
+    _install_draft_ring()
     _install_budget()
 
 
@@ -37,6 +38,14 @@ def _install_kv_spec() -> None:
     # The windowed c4a spec must be known in the engine-core process (scheduler)
     # and the worker; it only takes effect when DHiSparseConnector is configured.
     from .kv_spec import install
+
+    install()
+
+
+def _install_draft_ring() -> None:
+    # DSpark / DFlash2 drafter layers get the window-bounded draft ring (scheduler: the
+    # spec's manager; worker: Model Runner V2's spec of the drafter's layers).
+    from .draft_ring import install
 
     install()
 

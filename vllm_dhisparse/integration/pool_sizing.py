@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from vllm_dhisparse.config import DHiSparseConfig
+from vllm_dhisparse.hierarchy.sizing import staging_bytes
 from vllm_dhisparse.hierarchy.specs import SourceSpec
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
@@ -95,6 +96,20 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
 
 def device_pool_bytes(plans: list[SourcePlan]) -> int:
     return sum(p.spec.device_pages * p.spec.page_size * p.spec.row_bytes for p in plans)
+
+
+def staging_sizes(plans: list[SourcePlan], layers: list, k_max: int) -> dict:
+    """Verification staging: what the pools reserve today (every request slot, every
+    source) next to eq. 11's bound with chi = 1 reused arena (layers run one after
+    another on CPU): ``N * K_max * k * d_KV`` for the widest source."""
+    reserved = 0
+    for p in plans:
+        s = p.spec
+        reserved += s.max_slots * -(-s.staging_rows // s.page_size) * s.page_size * s.row_bytes
+    n = plans[0].spec.max_slots if plans else 0
+    widest = max((layer.top_k * layer.row_bytes for layer in layers), default=0)
+    return dict(staging_reserved_bytes=reserved,
+                staging_bound_bytes=staging_bytes(1, n, k_max, 1, widest))
 
 
 def check_budgeted(plans: list[SourcePlan]) -> None:

@@ -273,7 +273,10 @@ def summarize(worker: "WorkerSide") -> dict:
                step=st["step"], admitted=st["admitted"],
                device_pool_bytes=worker.device_pool_bytes,
                host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
-    return dict(totals=tot, sources=st["sources"])
+    out = dict(totals=tot, sources=st["sources"])
+    if worker.spec_sizes is not None:
+        out["spec"] = worker.spec_sizes
+    return out
 
 
 def write_json_atomic(path: str, data: dict) -> None:

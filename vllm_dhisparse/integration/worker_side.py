@@ -39,7 +39,7 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
-from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources
+from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources, staging_sizes
 from .routing import RoutingPlan, StepRouting
 from .stats import StatsCollector, summarize, time_resolve_enabled, write_json_atomic
 from .vllm_cache import VllmC4aCaches
@@ -64,8 +64,10 @@ class TrackedRequest:
 
 class WorkerSide:
     def __init__(self, cfg: DHiSparseConfig, layers: list[SparseLayer], max_model_len: int,
-                 max_num_seqs: int, max_spec_queries: int, device: torch.device):
+                 max_num_seqs: int, max_spec_queries: int, device: torch.device,
+                 spec_sizes: dict | None = None):
         self.cfg = cfg
+        self.spec_sizes = dict(spec_sizes) if spec_sizes else None  # spec.check_engine
         self.corrupt_mapping = test_hook("DHISPARSE_TEST_CORRUPT_MAPPING") == "1"
         self.fail_backup_of = test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF")
         self.faults = parse_fault_hook(test_hook("DHISPARSE_TEST_FAIL"))
@@ -100,6 +102,10 @@ class WorkerSide:
         check_budgeted(plans)
         self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
         self.device_pool_bytes = device_pool_bytes(plans)
+        if self.spec_sizes is not None:
+            self.spec_sizes.update(staging_sizes(plans, list(self.layers.values()),
+                                                 self.spec_sizes["k_max"]))
+            logger.info("DHiSparse speculation: %s", self.spec_sizes)
         specs = [p.spec for p in plans]
         residency = ResidencyConfig(
             admission_reserve_pages=self.cfg.admission_reserve_pages,

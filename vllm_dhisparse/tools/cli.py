@@ -1,6 +1,7 @@
 """``vllm-dhisparse``: the project's command line.
 
     vllm-dhisparse serve MODEL [vLLM server args ...]   # vLLM's OpenAI server, connector on
+        [--spec dspark|dflash2 --spec-model DRAFTER_DIR [--spec-tokens K]]   # speculation
     vllm-dhisparse demo [--model M]                     # the README's main job
     vllm-dhisparse config                               # the kv_connector_extra_config keys
 
@@ -10,6 +11,11 @@ its distribution metadata (it looks for ``vllm``, the CPU wheel is called
 arguments and adds ``--kv-transfer-config`` for DHiSparseConnector unless you
 pass one.  Everything else is vLLM's defaults (prefix caching and chunked
 prefill included: the connector serves both exactly).
+
+``--spec`` turns on speculative decoding with a preset (vllm_dhisparse.spec): the
+drafter directory and K become vLLM's ``--speculative-config``, Model Runner V2 is
+selected (its speculators are the only DSpark / DFlash2 ones), and the connector is
+told which preset to expect.
 """
 from __future__ import annotations
 
@@ -21,13 +27,61 @@ DEFAULT_TRANSFER = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {}}
 
 
+SPEC_FLAGS = ("--spec", "--spec-model", "--spec-tokens")
+
+
+def take_spec(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Removes ``--spec*`` flags (``--flag value`` or ``--flag=value``) from ``args``."""
+    rest, found, i = [], {}, 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if flag in SPEC_FLAGS:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ValueError(f"{flag} needs a value")
+                value, i = args[i + 1], i + 1
+            found[flag] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, found
+
+
+def spec_args(found: dict[str, str]) -> tuple[list[str], str]:
+    """vLLM server arguments for a ``--spec`` preset, and the preset's name ('' = none)."""
+    if not found:
+        return [], ""
+    if "--spec" not in found or "--spec-model" not in found:
+        raise ValueError("speculation needs --spec {dspark,dflash2} and --spec-model DRAFTER_DIR "
+                         "(--spec-tokens K, default 3)")
+    from vllm_dhisparse.spec import SpecPreset
+    try:
+        k = int(found.get("--spec-tokens", "3"))
+    except ValueError:
+        raise ValueError(f"--spec-tokens {found['--spec-tokens']!r}: must be an integer") from None
+    preset = SpecPreset(found["--spec"], found["--spec-model"], k)
+    return ["--speculative-config", json.dumps(preset.speculative_config())], preset.method
+
+
 def serve(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
-        print("usage: vllm-dhisparse serve MODEL [vLLM server args ...]", file=sys.stderr)
+        print("usage: vllm-dhisparse serve MODEL [vLLM server args ...] "
+              "[--spec dspark|dflash2 --spec-model DIR [--spec-tokens K]]", file=sys.stderr)
         return 2
-    args = ["--model", argv[0], *argv[1:]]
+    try:
+        rest, found = take_spec(argv[1:])
+        extra_args, preset = spec_args(found)
+    except ValueError as e:
+        print(f"vllm-dhisparse serve: {e}", file=sys.stderr)
+        return 2
+    args = ["--model", argv[0], *rest, *extra_args]
     if not any(a.startswith("--kv-transfer-config") for a in args):
-        args += ["--kv-transfer-config", json.dumps(DEFAULT_TRANSFER)]
+        transfer = json.loads(json.dumps(DEFAULT_TRANSFER))
+        if preset:
+            transfer["kv_connector_extra_config"]["spec"] = preset
+        args += ["--kv-transfer-config", json.dumps(transfer)]
+    if preset:
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.execv(sys.executable, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args])
     return 0  # not reached
 

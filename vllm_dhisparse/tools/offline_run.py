@@ -2,6 +2,7 @@
 
     python -m vllm_dhisparse.tools.offline_run --model DIR --prompt-lens 600 3000 \
         [--connector '{"hot_cache_rows": 512}'] [--spec-tokens 3] [--max-tokens 16] \
+        [--spec '{"method": "dspark", "model": DIR, "num_speculative_tokens": 3}'] \
         [--prefix-caching] [--chunk-tokens 1024] [--shared-prefix 1:0:2800] [--arrivals 0 9]
 
 Used by the E2E tests (each run is its own process: vLLM spawns engine
@@ -66,6 +67,9 @@ def build_llm(args, stats_file: str | None):
     if args.spec_tokens:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if args.spec:
+        kw["speculative_config"] = json.loads(args.spec)
+        kw["disable_log_stats"] = False  # the acceptance counters are vLLM's stats
     return LLM(**kw)
 
 
@@ -99,20 +103,45 @@ def kv_tensor_bytes(llm) -> int | None:
     return sum(storages.values())
 
 
-def decode_blocks(llm) -> list[int] | None:
-    """Per KV cache group: the most blocks (not freed) any *decoding* request holds now
-    (a request counts once it decoded one token: vLLM frees at the next allocation)."""
+def held_blocks(llm, decoding_only: bool) -> list[int] | None:
+    """Per KV cache group: the most blocks (not freed) one running request holds now;
+    ``decoding_only``: only requests that decoded a token (vLLM frees behind a window
+    from the first decode step's allocation on)."""
     sched = in_process_scheduler(llm)
     if sched is None:
         return None
     managers = sched.kv_cache_manager.coordinator.single_type_managers
     out = [0] * len(managers)
     for req in sched.running:
-        if req.num_computed_tokens <= req.num_prompt_tokens:  # blocks are freed from the
-            continue  # first decode step's allocation on
+        if decoding_only and req.num_computed_tokens <= req.num_prompt_tokens:
+            continue
         for g, m in enumerate(managers):
             held = sum(not b.is_null for b in m.req_to_blocks.get(req.request_id, ()))
             out[g] = max(out[g], held)
+    return out
+
+
+def kv_groups(llm) -> list[dict] | None:
+    """vLLM's KV cache groups: spec class, window, block size, first layer."""
+    sched = in_process_scheduler(llm)
+    if sched is None:
+        return None
+    return [dict(spec=type(g.kv_cache_spec).__name__, layers=len(g.layer_names),
+                 first_layer=g.layer_names[0], block_size=g.kv_cache_spec.block_size,
+                 sliding_window=getattr(g.kv_cache_spec, "sliding_window", None))
+            for g in sched.kv_cache_manager.kv_cache_config.kv_cache_groups]
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's speculative-decoding counters (drafts, draft tokens, accepted, per position)."""
+    out = {}
+    if not llm.llm_engine.log_stats:
+        return out
+    for m in llm.get_metrics():
+        if "spec_decode" in m.name:
+            value = getattr(m, "value", None)
+            out[m.name.removeprefix("vllm:spec_decode_")] = \
+                value if value is not None else list(getattr(m, "values", []) or [])
     return out
 
 
@@ -168,9 +197,10 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=()):
         n = running_requests(llm)
         if n is not None:
             running.append(n)
-            held = decode_blocks(llm)
-            generate_stepwise.max_decode_blocks = [
-                max(x, y) for x, y in zip(held, getattr(generate_stepwise, "max_decode_blocks", held))]
+            for name, decoding in (("max_decode_blocks", True), ("max_blocks", False)):
+                held = held_blocks(llm, decoding)
+                setattr(generate_stepwise, name, [
+                    max(x, y) for x, y in zip(held, getattr(generate_stepwise, name, held))])
     # The engine core's own loop runs one more step after the last request finished, to
     # tell the workers (finished request ids, no tokens); an in-process core is driven
     # from here and must be asked for it.
@@ -188,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--connector", default=None,
                     help="JSON kv_connector_extra_config; omit for resident serving")
     ap.add_argument("--spec-tokens", type=int, default=0, help="ngram speculative tokens (0 = off)")
+    ap.add_argument("--spec", default=None,
+                    help="JSON speculative_config (e.g. vllm_dhisparse.spec.SpecPreset(...)"
+                         ".speculative_config()); DSpark / DFlash2 need VLLM_USE_V2_MODEL_RUNNER=1")
     ap.add_argument("--repeat-prompt", action="store_true",
                     help="prompts repeat a short motif so ngram drafts get accepted")
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -238,6 +271,8 @@ def main(argv=None) -> int:
     result = dict(load_s=load_s, generate_s=gen_s, outputs=[], running=running,
                   max_running=max(running, default=0),
                   max_decode_blocks_per_group=getattr(generate_stepwise, "max_decode_blocks", None),
+                  max_blocks_per_group=getattr(generate_stepwise, "max_blocks", None),
+                  kv_groups=kv_groups(llm), spec_metrics=spec_metrics(llm),
                   prefix_caching=bool(vc.cache_config.enable_prefix_caching),
                   chunked_prefill=bool(vc.scheduler_config.enable_chunked_prefill),
                   max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,

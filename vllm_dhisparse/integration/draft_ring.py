@@ -1,0 +1,141 @@
+"""The draft_ring: a drafter's KV is window-bounded on device, prefill included (eq. 9-10).
+
+A DSpark / DFlash2 drafter attends to the last W tokens only, but vLLM gives it a
+``SlidingWindowSpec`` whose manager frees blocks behind the window from the first
+decode step on: in the prefill step it allocates a block for every prompt token
+(the drafter's context-KV injection then writes all of them), so a 7000-token prompt
+holds 28 draft blocks at p = 256 for one step.  A drafter without a per-layer window
+inherits the target's ``sliding_window`` silently (``attention.py``: the model-level
+window is the fallback).
+
+Here the drafter's layers (``get_draft_kv_cache_layer_names`` of the loaded drafter)
+get :class:`DraftRingSpec`, a ``SlidingWindowSpec`` with the drafter's own window W
+and K_max, managed by :class:`DraftRingManager`: a new block that lies wholly before
+``num_tokens - W - K_max`` (no draft query of this step or a later one reads it) is
+the null block, whose slots the injection skips.  So a request holds at most
+``R_d / p = ceil((W + p - 1 + K_max) / p)`` draft blocks at every step.  Decode frees
+as vLLM's sliding window does.  The connector refuses a drafter without a window of
+its own (spec/presets.py), so W is always the drafter's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Self
+
+from vllm.logger import init_logger
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+_installed = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftRingSpec(SlidingWindowSpec):
+    """A drafter layer's KV: sliding window W, bounded in prefill as well."""
+    k_max: int = 1  # verification queries per request: drafts read K_max - 1 slots ahead
+
+    @classmethod
+    def merge(cls, specs: list[Self]) -> Self:
+        k_max = {s.k_max for s in specs}
+        assert len(k_max) == 1, f"draft layers disagree on k_max: {k_max}"
+        merged = SlidingWindowSpec.merge.__func__(cls, specs)
+        return replace(merged, k_max=k_max.pop())
+
+
+class DraftRingManager(SlidingWindowManager):
+    def __init__(self, kv_cache_spec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        specs = getattr(kv_cache_spec, "kv_cache_specs", None)  # a uniform-type wrapper
+        self.k_max = max((s.k_max for s in specs.values()), default=1) if specs \
+            else kv_cache_spec.k_max
+
+    def ring_start_blocks(self, num_tokens: int) -> int:
+        """Leading blocks no draft query reads once ``num_tokens`` slots exist."""
+        return max(0, num_tokens - self.sliding_window - self.k_max) // self.block_size
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        blocks = self.req_to_blocks[request_id]
+        if request_id not in self._partial_hit_reqs:  # a copy-on-write hit keeps its layout
+            pad = self.ring_start_blocks(num_tokens) - len(blocks)
+            if pad > 0:
+                blocks.extend([self._null_block] * pad)
+        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+
+
+def ring_block_size(kv_cache_config) -> int | None:
+    """p of the KV cache group that holds the draft ring, None without one."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        if isinstance(group.kv_cache_spec, DraftRingSpec):
+            return group.kv_cache_spec.block_size
+    return None
+
+
+def register_spec() -> None:
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(DraftRingSpec, DraftRingManager,
+                                 uniform_type_base_spec=DraftRingSpec)
+
+
+def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int) -> dict:
+    """``specs`` with every draft layer's spec turned into a :class:`DraftRingSpec`."""
+    out = dict(specs)
+    for name in draft_layers:
+        spec = out.get(name)
+        if spec is None:
+            continue
+        if not isinstance(spec, SlidingWindowSpec) and type(spec).__name__ != "FullAttentionSpec":
+            raise ValueError(f"draft layer {name!r} has a {type(spec).__name__}; the draft ring "
+                             f"bounds standard (sliding-window or full) attention only")
+        keep = {f.name: getattr(spec, f.name) for f in fields(spec)
+                if f.name in {g.name for g in fields(DraftRingSpec)}}
+        keep.update(sliding_window=window, k_max=k_max)
+        out[name] = DraftRingSpec(**keep)
+    return out
+
+
+def install() -> bool:
+    """Wraps Model Runner V2's ``get_kv_cache_spec``: with DHiSparseConnector and a
+    DSpark / DFlash2 drafter, the drafter's layers report the draft ring."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    register_spec()
+    original = GPUModelRunner.get_kv_cache_spec
+
+    def get_kv_cache_spec(self):
+        specs = original(self)
+        sizes = _draft_sizes(self.vllm_config)
+        model = getattr(getattr(self, "speculator", None), "model", None)
+        if sizes is None or model is None:
+            return specs
+        names = getattr(model, "get_draft_kv_cache_layer_names", None)
+        if names is None:
+            raise ValueError(f"the {sizes['preset']} drafter {type(model).__name__} does not name "
+                             f"its KV layers (get_draft_kv_cache_layer_names); the draft ring "
+                             f"cannot bound it")
+        out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"])
+        logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d",
+                    len(names()), sizes["draft_window"], sizes["k_max"])
+        return out
+
+    GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
+    _installed = True
+    return True
+
+
+def _draft_sizes(vllm_config) -> dict | None:
+    """spec.check_engine's sizes when DHiSparseConnector runs a DSpark / DFlash2 drafter."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_connector", None) != "DHiSparseConnector":
+        return None
+    from vllm_dhisparse.config import DHiSparseConfig
+    from vllm_dhisparse.spec import check_engine
+    cfg = DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
+    return check_engine(vllm_config, cfg.spec)
