@@ -132,10 +132,8 @@ def install() -> bool:
 
 def _draft_sizes(vllm_config) -> dict | None:
     """spec.check_engine's sizes when DHiSparseConnector runs a DSpark / DFlash2 drafter."""
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if ktc is None or getattr(ktc, "kv_connector", None) != "DHiSparseConnector":
-        return None
-    from vllm_dhisparse.config import DHiSparseConfig
     from vllm_dhisparse.spec import check_engine
-    cfg = DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
-    return check_engine(vllm_config, cfg.spec)
+
+    from .support import connector_config
+    cfg = connector_config(vllm_config)
+    return None if cfg is None else check_engine(vllm_config, cfg.spec)

@@ -113,12 +113,9 @@ def register_spec() -> None:
 
 def _window_from_config(vllm_config) -> int:
     """device_window_tokens when DHiSparseConnector is configured, else 0."""
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if ktc is None or getattr(ktc, "kv_connector", None) != "DHiSparseConnector":
-        return 0
-    from vllm_dhisparse.config import DHiSparseConfig
-    cfg = DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
-    return cfg.device_window_tokens
+    from .support import connector_config
+    cfg = connector_config(vllm_config)
+    return 0 if cfg is None else cfg.device_window_tokens
 
 
 def install() -> bool:

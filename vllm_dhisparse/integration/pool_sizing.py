@@ -28,6 +28,8 @@ from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.hierarchy.sizing import staging_bytes
 from vllm_dhisparse.hierarchy.specs import SourceSpec
 
+from .support import connector_config
+
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 GIB = 2**30
@@ -140,11 +142,6 @@ def budget_plans(vllm_config) -> list[SourcePlan]:
                         vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
 
 
-def _connector_on(vllm_config) -> bool:
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    return ktc is not None and getattr(ktc, "kv_connector", None) == "DHiSparseConnector"
-
-
 def install_budget() -> None:
     """Wraps the worker's ``determine_available_memory``: with the connector configured,
     vLLM's KV blocks get the budget minus the hierarchy's device pools."""
@@ -158,7 +155,7 @@ def install_budget() -> None:
 
     def determine_available_memory(self) -> int:
         available = original(self)
-        if not _connector_on(self.vllm_config):
+        if connector_config(self.vllm_config) is None:
             return available
         global BUDGETED_BYTES
         pools = device_pool_bytes(budget_plans(self.vllm_config))

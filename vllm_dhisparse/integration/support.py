@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+def connector_config(vllm_config: "VllmConfig"):
+    """The connector's :class:`~vllm_dhisparse.config.DHiSparseConfig` when
+    DHiSparseConnector is the engine's KV connector, else None (the patches the plugin
+    installs in every process act only then)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_connector", None) != "DHiSparseConnector":
+        return None
+    from vllm_dhisparse.config import DHiSparseConfig
+    return DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
+
+
 def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
     """Raises ``ValueError`` naming what is unsupported and what to pass instead."""
     if platform is None:
