@@ -25,8 +25,12 @@ def test_draft_layers_get_the_ring_with_the_drafters_window():
     for name in ("draft.0", "draft.1"):
         assert isinstance(out[name], DraftRingSpec)
         assert (out[name].sliding_window, out[name].k_max, out[name].block_size) == (128, 4, 256)
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=out["draft.0"])])
-    assert ring_block_size(kv_cache_config) == 256
+    scheduler = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=out["draft.0"])])
+    worker = SimpleNamespace(kv_cache_groups=[  # the worker's groups wrap per-layer specs
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(kv_cache_specs={"t": specs["draft.1"]})),
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(kv_cache_specs={"d": out["draft.0"]}))])
+    assert ring_block_size(scheduler) == ring_block_size(worker) == 256
+    assert ring_block_size(SimpleNamespace(kv_cache_groups=worker.kv_cache_groups[:1])) is None
 
 
 @pytest.mark.parametrize("num_tokens", [1, 300, 387, 388, 2000, 7000, 7004])

