@@ -205,6 +205,10 @@ def test_scraped_counters_are_consistent(served):
     assert c["resolve_calls"] > 0
     assert m["vllm:dhisparse_resolve_seconds_count"] == c["resolve_calls"], m  # timed on CPU
     assert m["vllm:dhisparse_resolve_seconds_sum"] > 0
+    # K_r: one sample per admitted request and decode step; verification steps have 1 + 3
+    k_r = m["vllm:dhisparse_verify_queries_sum"] / m["vllm:dhisparse_verify_queries_count"]
+    assert 1 < k_r <= 4, m
+    assert m["vllm:dhisparse_draft_ring_rows"] == 0, m  # ngram: no drafter KV
     assert m["vllm:dhisparse_host_bytes_total"] > 0 and m["vllm:dhisparse_device_pages"] > 0, m
     # The Prometheus totals are the sums of per-step deltas; they must equal the
     # worker's cumulative counters (stats_file, written in the same step).

@@ -167,12 +167,14 @@ def test_collector_reports_deltas(monkeypatch):
     class W:
         hierarchy = object()
         resolve_times = [0.5]
+        verify_queries = [4, 1]
     state["c"]["selected_rows"], state["g"]["free_pages"] = 10, 7
     first = col.collect(W())
     state["c"]["selected_rows"], state["g"]["free_pages"] = 25, 3
     second = col.collect(W())
     third = col.collect(W())
     assert first.data["counters"] == {"selected_rows": 10} and first.data["resolve_seconds"] == [0.5]
+    assert first.data["verify_queries"] == [4, 1] and second.data["verify_queries"] == []
     assert second.data["counters"] == {"selected_rows": 15} and second.data["resolve_seconds"] == []
     assert second.data["gauges"]["free_pages"] == 3
     assert third.data["counters"] == {}

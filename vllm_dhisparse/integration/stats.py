@@ -56,6 +56,7 @@ class MetricDef:
     name: str  # Prometheus name (counters are exposed with a ``_total`` suffix)
     kind: str  # "counter" | "gauge" | "histogram"
     doc: str
+    buckets: tuple[float, ...] = ()  # histograms only
 
 
 def _c(key, doc):
@@ -110,10 +111,19 @@ METRICS: tuple[MetricDef, ...] = (
     _g("host_bytes_used", "Host backing store bytes reserved by admitted requests."),
     _g("host_bytes_total", "Host backing store capacity, bytes."),
     _g("staging_bytes", "Device bytes of verification staging rows held by admitted requests."),
+    # -- speculative decoding (acceptance itself: vLLM's vllm:spec_decode_* counters) --
+    _g("draft_ring_rows", "R_d (eq. 9): draft-KV rows a request holds at most, prefill "
+                          "included; 0 without a DSpark / DFlash2 drafter."),
+    _g("staging_bound_bytes", "M_stage (eq. 11, one reused arena): N x K_max x k x d_KV; "
+                              "0 without a DSpark / DFlash2 drafter."),
+    MetricDef("verify_queries", "vllm:dhisparse_verify_queries", "histogram",
+              "K_r: queries of one admitted request in one decode step (anchor + drafts; 1 "
+              "without speculation).", buckets=(1, 2, 3, 4, 5, 6, 7, 8)),
     # -- resolver latency --
     MetricDef("resolve_seconds", "vllm:dhisparse_resolve_seconds", "histogram",
               "Wall time of one KVHierarchy.resolve call (recorded on CPU, or with "
-              f"{TIME_RESOLVE_ENV}=1)."),
+              f"{TIME_RESOLVE_ENV}=1).", buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
+                                                  5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)),
 )
 # counter key -> key of ``WorkerSide.summary()["totals"]`` it reports
 SUMMARY_TOTALS = {
@@ -126,8 +136,6 @@ SUMMARY_TOTALS = {
 COUNTERS = tuple(m for m in METRICS if m.kind == "counter")
 GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
 HISTOGRAMS = tuple(m for m in METRICS if m.kind == "histogram")
-RESOLVE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
-                   0.1, 0.25, 0.5, 1.0)
 
 
 def exposed_names(m: MetricDef) -> tuple[str, ...]:
@@ -142,7 +150,8 @@ def exposed_names(m: MetricDef) -> tuple[str, ...]:
 # -- stats object (travels worker -> scheduler -> front-end) -------------------------------
 @dataclass
 class DHiSparseConnectorStats(KVConnectorStats):
-    """``data = {"counters": {key: delta}, "gauges": {key: value}, "resolve_seconds": [s, ...]}``.
+    """``data = {"counters": {key: delta}, "gauges": {key: value}, HISTOGRAM_KEY: [sample, ...]}``
+    (one sample list per histogram: ``resolve_seconds``, ``verify_queries``).
 
     Plain dicts / lists of numbers: serializable across vLLM's process boundaries.
     """
@@ -152,7 +161,7 @@ class DHiSparseConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self):
-        self.data = {"counters": {}, "gauges": {}, "resolve_seconds": []}
+        self.data = {"counters": {}, "gauges": {}, **{m.key: [] for m in HISTOGRAMS}}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other.is_empty():
@@ -162,7 +171,8 @@ class DHiSparseConnectorStats(KVConnectorStats):
         for k, v in other.data["counters"].items():
             counters[k] = counters.get(k, 0) + v
         self.data["gauges"].update(other.data["gauges"])  # latest value wins
-        self.data["resolve_seconds"].extend(other.data["resolve_seconds"])
+        for m in HISTOGRAMS:
+            self.data.setdefault(m.key, []).extend(other.data.get(m.key, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -179,7 +189,8 @@ class DHiSparseConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not (self.data["counters"] or self.data["gauges"] or self.data["resolve_seconds"])
+        return not (self.data["counters"] or self.data["gauges"]
+                    or any(self.data.get(m.key) for m in HISTOGRAMS))
 
 
 # -- worker side: cumulative hierarchy counters -> per-interval deltas ------------------------
@@ -228,6 +239,9 @@ class StatsCollector:
             gauges["staging_bytes"] += (rm.staging_pages * len(rm.requests) * rm.page_size
                                         * parts.spec.row_bytes)
         gauges["admitted_requests"] = len(h.requests)
+        spec = worker.spec_sizes or {}
+        gauges["draft_ring_rows"] = spec.get("draft_ring_rows", 0)
+        gauges["staging_bound_bytes"] = spec.get("staging_bound_bytes", 0)
         return counters, gauges
 
     def collect(self, worker: "WorkerSide") -> DHiSparseConnectorStats | None:
@@ -244,12 +258,14 @@ class StatsCollector:
         deltas = {k: v - self._last.get(k, 0) for k, v in counters.items()}
         assert all(d >= 0 for d in deltas.values()), f"counters went backwards: {deltas}"
         self._last = counters
-        times = worker.resolve_times[-MAX_TIME_SAMPLES:]
+        samples = {"resolve_seconds": worker.resolve_times[-MAX_TIME_SAMPLES:],
+                   "verify_queries": worker.verify_queries[-MAX_TIME_SAMPLES:]}
         worker.resolve_times.clear()
+        worker.verify_queries.clear()
         return DHiSparseConnectorStats(data={
             "counters": {k: d for k, d in deltas.items() if d},
             "gauges": gauges,
-            "resolve_seconds": times,
+            **samples,
         })
 
 
@@ -319,7 +335,7 @@ class DHiSparsePromMetrics(KVConnectorPromMetrics):
             self.gauges[m.key] = create_metric_per_engine(metric, per_engine_labelvalues)
         for m in HISTOGRAMS:
             metric = self._histogram_cls(name=m.name, documentation=m.doc, labelnames=labelnames,
-                                         buckets=list(RESOLVE_BUCKETS))
+                                         buckets=list(m.buckets))
             self.histograms[m.key] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -327,8 +343,9 @@ class DHiSparsePromMetrics(KVConnectorPromMetrics):
             self.counters[key][engine_idx].inc(value)
         for key, value in transfer_stats_data.get("gauges", {}).items():
             self.gauges[key][engine_idx].set(value)
-        for value in transfer_stats_data.get("resolve_seconds", []):
-            self.histograms["resolve_seconds"][engine_idx].observe(value)
+        for m in HISTOGRAMS:
+            for value in transfer_stats_data.get(m.key, []):
+                self.histograms[m.key][engine_idx].observe(value)
 
 
 assert len({m.name for m in METRICS}) == len(METRICS), "duplicate metric names"

@@ -91,6 +91,7 @@ class WorkerSide:
         # direct/hot/host census; resolve call times on CPU (or DHISPARSE_TIME_RESOLVE=1)
         self.selected_rows = 0
         self.resolve_times: list[float] = []
+        self.verify_queries: list[int] = []  # K_r of admitted requests' decode steps
         self.time_resolve = time_resolve_enabled(device.type)
         self.stats_collector = StatsCollector()
 
@@ -154,6 +155,8 @@ class WorkerSide:
                     self._admit(req)  # retry: no device room when its prefill completed
                 if req.admitted:
                     self._commit_rows(req)
+            if req.admitted and not req.failed:
+                self.verify_queries.append(rs.num_scheduled_tokens)  # K_r (stats.py)
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
 
     @contextlib.contextmanager
