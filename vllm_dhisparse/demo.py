@@ -57,6 +57,19 @@ def server_command(model: str, port: int, extra: dict | None, max_model_len: int
     return cmd
 
 
+def spec_args(model: str, preset: str, extra: dict) -> list[str]:
+    """Builds the demo drafter next to ``model`` and returns the server's speculative
+    arguments; ``extra`` (the connector's config) is told the preset (``spec`` key)."""
+    from vllm_dhisparse.spec import SpecPreset
+    drafter = os.path.join(os.path.dirname(os.path.abspath(model)), f"demo_{preset}_drafter")
+    _say(f"building the {preset} demo drafter in {drafter}")
+    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "build_demo_drafters.py"),
+                    preset, "--target", model, "--out", drafter], check=True)
+    extra["spec"] = preset
+    config = SpecPreset(preset, drafter, 3).speculative_config()
+    return ["--speculative-config", json.dumps(config)]
+
+
 def _on_cpu() -> bool:
     import torch
     return not torch.cuda.is_available()
@@ -110,6 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--extra-config", default='{"hot_cache_rows": 512, "optional_residency": false}',
                     help="kv_connector_extra_config JSON (see README for the keys)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for the server")
+    ap.add_argument("--spec", choices=("dflash2",), default=None,
+                    help="speculative decoding with a seeded DFlash2 drafter built next to the "
+                         "demo model (window 128, K = 3; Model Runner V2). Its drafts are noise "
+                         "and get rejected: the demo shows the path, tests/e2e/"
+                         "test_spec_hierarchy.py shows acceptance with the DSpark oracle")
     args = ap.parse_args(argv)
 
     model = args.model
@@ -120,10 +138,15 @@ def main(argv=None) -> int:
     extra = dict(json.loads(args.extra_config), stats_file=stats_file)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = server_command(model, port, extra, args.max_model_len)
+    spec_cmd = spec_args(model, args.spec, extra) if args.spec else []
+    cmd = server_command(model, port, extra, args.max_model_len) + spec_cmd
+    env = dict(os.environ)
+    if args.spec:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with DFlash2 / DSpark
     _say("starting: " + " ".join(cmd[:6]) + " ... (log: server.log)")
     log = open(os.path.join(os.path.dirname(stats_file), "server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
     try:
         t0 = time.time()
         wait_healthy(url, proc, args.timeout)
@@ -138,8 +161,10 @@ def main(argv=None) -> int:
         time.sleep(0.5)
         if os.path.exists(stats_file):
             with open(stats_file) as f:
-                totals = json.load(f)["totals"]
-            _say("connector counters: " + ", ".join(f"{k}={v}" for k, v in totals.items()))
+                stats = json.load(f)
+            _say("connector counters: " + ", ".join(f"{k}={v}" for k, v in stats["totals"].items()))
+            if "spec" in stats:
+                _say("speculation: " + ", ".join(f"{k}={v}" for k, v in stats["spec"].items()))
         else:
             _say("no connector counters were written (no decode step went through the hierarchy)")
         return 0
