@@ -32,6 +32,7 @@ MRV2 = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # with each other bitwise.
 ARGS = ["--prompt-lens", "600", "2000", "4000", "7000", "--max-tokens", "24",
         "--repeat-prompt", "--seed", "2"]
+CHUNKED = ["--prefix-caching", "--chunk-tokens", "2048"]
 HIER = {"hot_cache_rows": 512, "optional_residency": False}  # small: host fetches > 0
 K = 3
 
@@ -62,6 +63,11 @@ def arms(demo_model, tmp_path_factory):
                                      "--connector", hier("dspark"), env=MRV2)
     out["hier_dflash2"] = run_offline(demo_model, *ARGS, "--spec", dflash2,
                                       "--connector", hier("dflash2"), env=MRV2)
+    # vLLM's defaults on this CPU: prefix caching and chunked prefill (both arms alike)
+    out["resident_dspark_chunked"] = run_offline(demo_model, *ARGS, *CHUNKED, "--spec", dspark,
+                                                 env=MRV2)
+    out["hier_dspark_chunked"] = run_offline(demo_model, *ARGS, *CHUNKED, "--spec", dspark,
+                                             "--connector", hier("dspark"), env=MRV2)
     out["corrupted"] = run_offline(demo_model, *ARGS, "--spec", dspark,
                                    "--connector", hier("dspark"),
                                    env={**MRV2, "DHISPARSE_TEST_CORRUPT_MAPPING": "1"})
@@ -73,11 +79,16 @@ def test_greedy_tokens_equal_resident_without_speculation(arms, arm):
     assert_same_outputs(arms[arm], arms["resident"], logprobs=False)
 
 
-def test_hierarchy_with_dspark_is_resident_with_dspark(arms):
+@pytest.mark.parametrize("suffix", ["", "_chunked"])
+def test_hierarchy_with_dspark_is_resident_with_dspark(arms, suffix):
     """Same tokens, bitwise logprobs and the same acceptance counters: the hierarchy
-    changes where verification reads rows, never which rows or what is accepted."""
-    assert_same_outputs(arms["hier_dspark"], arms["resident_dspark"])
-    assert arms["hier_dspark"]["spec_metrics"] == arms["resident_dspark"]["spec_metrics"]
+    changes where verification reads rows, never which rows or what is accepted; also
+    with prefix caching and 2048-token prefill chunks (the draft ring's chunk path)."""
+    hier, resident = arms["hier_dspark" + suffix], arms["resident_dspark" + suffix]
+    assert_same_outputs(hier, resident)
+    assert hier["spec_metrics"] == resident["spec_metrics"]
+    if suffix:
+        assert hier["chunked_prefill"] and hier["prefix_caching"], hier
 
 
 def test_dspark_demo_drafter_is_accepted(arms):
@@ -93,7 +104,8 @@ def test_verification_shares_host_retrievals(arms, arm):
     assert t["verify_host_selections"] > t["verify_fetched"], t  # union retrieval (eq. 6)
 
 
-@pytest.mark.parametrize("arm,preset", [("hier_dspark", "dspark"), ("hier_dflash2", "dflash2")])
+@pytest.mark.parametrize("arm,preset", [("hier_dspark", "dspark"), ("hier_dflash2", "dflash2"),
+                                        ("hier_dspark_chunked", "dspark")])
 def test_draft_ring_bounds_every_step_prefill_included(arms, arm, preset):
     """Every request holds at most R_d / p draft blocks at every step (eq. 9), also in
     the step that prefills 7000 tokens; the sizes are published in the stats."""

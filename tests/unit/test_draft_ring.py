@@ -17,20 +17,65 @@ def attn(cls, **kw):
     return cls(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, **kw)
 
 
-def test_draft_layers_get_the_ring_with_the_drafters_window():
-    specs = {"target.attn": object(), "draft.0": attn(SlidingWindowSpec, sliding_window=4096),
-             "draft.1": attn(FullAttentionSpec)}
-    out = ring_specs(specs, ["draft.0", "draft.1"], window=128, k_max=4)
+def test_draft_layers_get_the_ring_with_their_own_window():
+    specs = {"target.attn": object(), "draft.0": attn(SlidingWindowSpec, sliding_window=128)}
+    out = ring_specs(specs, ["draft.0"], window=128, k_max=4)
     assert out["target.attn"] is specs["target.attn"]
-    for name in ("draft.0", "draft.1"):
-        assert isinstance(out[name], DraftRingSpec)
-        assert (out[name].sliding_window, out[name].k_max, out[name].block_size) == (128, 4, 256)
+    assert isinstance(out["draft.0"], DraftRingSpec)
+    assert (out["draft.0"].sliding_window, out["draft.0"].k_max, out["draft.0"].block_size) == \
+        (128, 4, 256)
     scheduler = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=out["draft.0"])])
     worker = SimpleNamespace(kv_cache_groups=[  # the worker's groups wrap per-layer specs
-        SimpleNamespace(kv_cache_spec=SimpleNamespace(kv_cache_specs={"t": specs["draft.1"]})),
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(kv_cache_specs={"t": object()})),
         SimpleNamespace(kv_cache_spec=SimpleNamespace(kv_cache_specs={"d": out["draft.0"]}))])
     assert ring_block_size(scheduler) == ring_block_size(worker) == 256
     assert ring_block_size(SimpleNamespace(kv_cache_groups=worker.kv_cache_groups[:1])) is None
+
+
+@pytest.mark.parametrize("spec,message", [
+    (attn(SlidingWindowSpec, sliding_window=4096), "attends over 4096 tokens"),
+    (attn(FullAttentionSpec), "sliding-window attention layers only"),
+])
+def test_a_draft_layer_the_ring_cannot_bound_is_refused(spec, message):
+    with pytest.raises(ValueError, match=message):
+        ring_specs({"d": spec}, ["d"], window=128, k_max=4)
+
+
+def pool_and_ring(blocks=64):
+    from vllm.v1.core.block_pool import BlockPool
+    pool = BlockPool(num_gpu_blocks=blocks, enable_caching=False, hash_block_size=256)
+    spec = DraftRingSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                         sliding_window=128, k_max=4)
+    return pool, DraftRingManager(spec, block_pool=pool, enable_caching=False,
+                                  kv_cache_group_id=0, scheduler_block_size=256)
+
+
+@pytest.mark.parametrize("chunk", [7000, 2048, 1000])
+def test_chunked_prefill_keeps_both_block_tables_alike_and_within_r_d(chunk):
+    """What the scheduler does per step (free behind the window, allocate this step's
+    slots) with vLLM's own block pool; the worker's table is built the way the worker
+    builds it (the whole list once, then what each allocation returns appended)."""
+    pool, mgr = pool_and_ring()
+    bound = draft_ring_rows(128, 256, 4) // 256
+    free0 = pool.get_num_free_blocks()
+    computed, prompt, worker = 0, 7000, None
+    while computed < prompt + 12:  # prefill in chunks, then 12 decode steps of 1 + 3 slots
+        step = min(chunk, prompt - computed) if computed < prompt else 1
+        mgr.remove_skipped_blocks("r", computed)
+        new = mgr.allocate_new_blocks("r", computed + step + (3 if computed >= prompt else 0),
+                                      computed + step)
+        worker = list(mgr.req_to_blocks["r"]) if worker is None else worker + list(new)
+        held = [b for b in mgr.req_to_blocks["r"] if not b.is_null]
+        # same layout; where the scheduler freed a block behind the window the worker keeps
+        # the stale id (vLLM does not tell it), which no draft query reads
+        sched = mgr.req_to_blocks["r"]
+        assert len(worker) == len(sched)
+        assert all(w.block_id == b.block_id for w, b in zip(worker, sched) if not b.is_null)
+        assert len(held) <= bound, (computed, [b.block_id for b in mgr.req_to_blocks["r"]])
+        assert free0 - pool.get_num_free_blocks() == len(held)  # nothing stranded
+        computed += step
+    mgr.free("r")
+    assert pool.get_num_free_blocks() == free0
 
 
 @pytest.mark.parametrize("num_tokens", [1, 300, 387, 388, 2000, 7000, 7004])
@@ -46,5 +91,5 @@ def test_blocks_a_step_allocates_stay_within_r_d(num_tokens):
 
 
 def test_a_non_attention_draft_spec_is_refused():
-    with pytest.raises(ValueError, match="standard"):
+    with pytest.raises(ValueError, match="sliding-window attention layers only"):
         ring_specs({"d": SimpleNamespace()}, ["d"], 128, 4)

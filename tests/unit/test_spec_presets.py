@@ -43,6 +43,10 @@ def test_draft_window_only_when_every_layer_slides():
                          "layer_types": ["sliding_attention", "full_attention"]}) is None
     assert draft_window({}) is None
     assert draft_window({"sliding_window": 64, "use_sliding_window": False}) is None
+    # as vLLM's DFlash layers read it: use_swa makes every layer sliding, swa_window_size wins
+    assert draft_window({"dflash_config": {"use_swa": True, "swa_window_size": 256},
+                         "sliding_window": 64}) == 256
+    assert draft_window({"dflash_config": {"use_swa": True}, "sliding_window": 64}) == 64
 
 
 def test_engine_sizes_with_a_windowed_drafter():
@@ -64,8 +68,8 @@ def test_staging_bound_is_eq_11():
     (engine(), "dspark", "speculative_config is not set"),
     (engine("dspark", "Qwen3DSparkModel"), "dflash2", "method 'dspark'"),
     (engine("dspark", "Qwen3DSparkModel", v2=False), "", "Model Runner V2"),
-    (engine("dspark", "Qwen3DSparkModel", k=8), "", "K_max = 1 + 8"),
     (engine("dflash", "DFlash2DraftModel", load_format="dummy"), "", "load_format='dummy'"),
+    (engine("dspark", "Qwen3DSparkModel", load_format="dummy"), "", "load_format='dummy'"),
     (engine("dspark", "Qwen3DSparkModel"), "", "no sliding window of its own"),
 ])
 def test_engine_refusals(vc, spec, message):

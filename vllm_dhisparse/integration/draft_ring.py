@@ -12,10 +12,19 @@ Here the drafter's layers (``get_draft_kv_cache_layer_names`` of the loaded draf
 get :class:`DraftRingSpec`, a ``SlidingWindowSpec`` with the drafter's own window W
 and K_max, managed by :class:`DraftRingManager`: a new block that lies wholly before
 ``num_tokens - W - K_max`` (no draft query of this step or a later one reads it) is
-the null block, whose slots the injection skips.  So a request holds at most
-``R_d / p = ceil((W + p - 1 + K_max) / p)`` draft blocks at every step.  Decode frees
-as vLLM's sliding window does.  The connector refuses a drafter without a window of
-its own (spec/presets.py), so W is always the drafter's.
+the null block, whose slots the injection skips, and the real blocks of earlier
+prefill chunks behind that point are freed at once.  So a request holds at most
+``R_d / p = ceil((W + p - 1 + K_max) / p)`` draft blocks at every step, chunked
+prefill included.  The null blocks are returned with the new ones, because the worker
+appends what an allocation returns to its block table.  Decode frees as vLLM's sliding
+window does.  The connector refuses a drafter without a window of its own
+(spec/presets.py), and the ring refuses a layer that attends over another window.
+
+Not yet: admission still reserves every prompt block of the drafter
+(``get_num_blocks_to_allocate`` is vLLM's), so the ring saves memory while requests
+run but does not admit more of them; and the null prefix blocks are never hashed, so
+with prefix caching the drafter's group finds no hit behind the ring (vLLM then takes
+the smallest hit over the groups).
 """
 from __future__ import annotations
 
@@ -57,11 +66,17 @@ class DraftRingManager(SlidingWindowManager):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
         blocks = self.req_to_blocks[request_id]
-        if request_id not in self._partial_hit_reqs:  # a copy-on-write hit keeps its layout
-            pad = self.ring_start_blocks(num_tokens) - len(blocks)
-            if pad > 0:
-                blocks.extend([self._null_block] * pad)
-        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        start = self.ring_start_blocks(num_tokens)
+        # blocks of earlier chunks behind this step's ring are freed now, not one step
+        # later (vLLM frees behind the *processed* tokens), so a chunked prefill holds R_d;
+        # the real blocks then always form one run at the end, which vLLM's backward free
+        # (it stops at the first null) reaches whole
+        self._remove_blocks_in_range(request_id, 0, min(start, len(blocks)))
+        pad = [self._null_block] * max(0, start - len(blocks))
+        blocks.extend(pad)
+        # the worker appends what is returned to its block table: the null blocks too, so
+        # both tables keep one layout (a later chunk's blocks land at their positions)
+        return pad + super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
 
 
 def ring_block_size(kv_cache_config) -> int | None:
@@ -82,19 +97,23 @@ def register_spec() -> None:
 
 
 def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int) -> dict:
-    """``specs`` with every draft layer's spec turned into a :class:`DraftRingSpec`."""
+    """``specs`` with every draft layer's spec turned into a :class:`DraftRingSpec` of the
+    same window: the window the layer attends with (its own spec's) must be ``window``,
+    the W that sizes R_d."""
     out = dict(specs)
     for name in draft_layers:
         spec = out.get(name)
         if spec is None:
             continue
-        if not isinstance(spec, SlidingWindowSpec) and type(spec).__name__ != "FullAttentionSpec":
+        if type(spec) is not SlidingWindowSpec:
             raise ValueError(f"draft layer {name!r} has a {type(spec).__name__}; the draft ring "
-                             f"bounds standard (sliding-window or full) attention only")
-        keep = {f.name: getattr(spec, f.name) for f in fields(spec)
-                if f.name in {g.name for g in fields(DraftRingSpec)}}
-        keep.update(sliding_window=window, k_max=k_max)
-        out[name] = DraftRingSpec(**keep)
+                             f"bounds standard sliding-window attention layers only")
+        if spec.sliding_window != window:
+            raise ValueError(f"draft layer {name!r} attends over {spec.sliding_window} tokens, "
+                             f"but the drafter's config says {window}; the draft ring needs the "
+                             f"window the layer uses")
+        keep = {f.name: getattr(spec, f.name) for f in fields(spec)}
+        out[name] = DraftRingSpec(**keep, k_max=k_max)
     return out
 
 
@@ -122,7 +141,7 @@ def install() -> bool:
             raise ValueError(f"the {sizes['preset']} drafter {type(model).__name__} does not name "
                              f"its KV layers (get_draft_kv_cache_layer_names); the draft ring "
                              f"cannot bound it")
-        out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"])
+        out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"])  # checks W
         logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d",
                     len(names()), sizes["draft_window"], sizes["k_max"])
         return out

@@ -22,7 +22,6 @@ SPEC_METHODS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dspark": ("dspark", ("Qwen3DSparkModel", "DSparkDraftModel")),
     "dflash2": ("dflash", ("DFlash2DraftModel", "DFlash2BeamDraftModel")),
 }
-MAX_K_MAX = 8  # verification queries per request (anchor + drafts) the resolver is sized for
 
 
 def read_drafter(model: str, method: str) -> dict[str, Any]:
@@ -45,12 +44,20 @@ def read_drafter(model: str, method: str) -> dict[str, Any]:
 
 def draft_window(drafter_cfg: dict[str, Any]) -> int | None:
     """W of a drafter whose every layer is sliding-window attention, else None (a full-
-    attention drafter has no window of its own)."""
-    window = drafter_cfg.get("sliding_window")
+    attention drafter has no window of its own).  Read as vLLM's DFlash / DSpark layers
+    read it (``qwen3_dflash.py``): ``dflash_config.use_swa`` makes every layer sliding,
+    else ``layer_types``; the window is ``dflash_config.swa_window_size``, else
+    ``sliding_window`` (which transformers drops unless ``use_sliding_window``)."""
+    dfl = drafter_cfg.get("dflash_config") or {}
     types = drafter_cfg.get("layer_types")
-    if not window or drafter_cfg.get("use_sliding_window") is False:
-        return None
-    if types and any(t != "sliding_attention" for t in types):
+    if dfl.get("use_swa"):
+        sliding = True
+    elif types:
+        sliding = all(t == "sliding_attention" for t in types)
+    else:
+        sliding = False
+    window = dfl.get("swa_window_size", drafter_cfg.get("sliding_window"))
+    if not sliding or not window or drafter_cfg.get("use_sliding_window") is False:
         return None
     return int(window)
 
@@ -63,9 +70,8 @@ class SpecPreset:
 
     def __post_init__(self):
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K_MAX - 1:
-            raise ValueError(f"num_speculative_tokens = {k!r}: must be an int in "
-                             f"[1, {MAX_K_MAX - 1}] (K_max = 1 + drafts <= {MAX_K_MAX})")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens = {k!r}: must be an int >= 1")
         read_drafter(self.model, self.method)
 
     @property
@@ -115,18 +121,17 @@ def check_engine(vllm_config: "VllmConfig", spec: str) -> dict[str, Any] | None:
         raise ValueError(f"speculative decoding with {name} needs vLLM's Model Runner V2 "
                          f"(its speculator exists only there); unset VLLM_USE_V2_MODEL_RUNNER=0 "
                          f"or set VLLM_USE_V2_MODEL_RUNNER=1")
-    if 1 + k > MAX_K_MAX:
-        raise ValueError(f"speculative_config num_speculative_tokens = {k}: K_max = 1 + {k} "
-                         f"exceeds {MAX_K_MAX}")
-    if vllm_config.load_config.load_format == "dummy" and name == "dflash2":
-        raise ValueError("load_format='dummy' leaves a DFlash-family drafter without the fused "
-                         "context-KV weights on CPU; load a real drafter checkpoint")
+    if vllm_config.load_config.load_format == "dummy":  # DSpark is a DFlash-family model too
+        raise ValueError(f"load_format='dummy' leaves the {name} drafter (DFlash family) without "
+                         f"the fused context-KV weights on CPU; load a real drafter checkpoint")
     window = draft_window(cfg or {})
     if window is None:
-        raise ValueError(f"the {name} drafter has no sliding window of its own (every layer "
-                         f"'sliding_attention' with 'sliding_window' in its config.json); the "
-                         f"draft ring bounds a drafter's KV by its window W and a drafter must "
-                         f"not inherit the target's (scripts/build_demo_drafters.py --window)")
+        raise ValueError(f"the {name} drafter has no sliding window of its own (its config.json "
+                         f"needs every layer in layer_types 'sliding_attention', sliding_window "
+                         f"W and use_sliding_window true, or dflash_config use_swa and "
+                         f"swa_window_size); the draft ring bounds a drafter's KV by its window "
+                         f"W, and a drafter must not inherit the target's "
+                         f"(scripts/build_demo_drafters.py --window)")
     return dict(preset=name, num_speculative_tokens=k, k_max=1 + k, draft_window=window)
 
 
