@@ -128,6 +128,7 @@ def kv_groups(llm) -> list[dict] | None:
         return None
     return [dict(spec=type(g.kv_cache_spec).__name__, layers=len(g.layer_names),
                  first_layer=g.layer_names[0], block_size=g.kv_cache_spec.block_size,
+                 page_bytes=g.kv_cache_spec.page_size_bytes * len(g.layer_names),
                  sliding_window=getattr(g.kv_cache_spec, "sliding_window", None))
             for g in sched.kv_cache_manager.kv_cache_config.kv_cache_groups]
 
