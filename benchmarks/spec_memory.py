@@ -88,11 +88,11 @@ def main(argv=None) -> int:
           f"{sizes['draft_ring_rows']} x {row_bytes} B = {C.fmt_bytes(table1)}")
     print(f"verification staging: reserved {C.fmt_bytes(sizes['staging_reserved_bytes'])} "
           f"(every slot and source) vs M_stage {C.fmt_bytes(sizes['staging_bound_bytes'])} (chi = 1)")
-    fig, ax = C.new_figure(1, "Per-session speculative memory (demo model, DFlash2 W=128, K=3)",
-                           out["meta"])
+    fig, ax = C.new_figure(1, "Speculative memory (demo model, DFlash2 W=128, K=3): draft KV per "
+                              "session, staging for all slots", out["meta"])
     a = ax[0]
-    labels = ["draft KV, any step\n(vLLM alone)", "draft KV, any step\n(draft ring)",
-              "Table 1\nR_d x row", "staging\nreserved (all)", "staging\nM_stage bound"]
+    labels = ["draft KV\nvLLM alone", "draft KV\ndraft ring", "Table 1\nR_d x row",
+              "staging\nreserved", "staging\nM_stage"]
     values = [alone["bytes_any_step"], ours["bytes_any_step"], table1,
               sizes["staging_reserved_bytes"], sizes["staging_bound_bytes"]]
     a.bar(range(len(values)), [v / 2**20 for v in values],
