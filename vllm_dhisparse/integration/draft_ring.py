@@ -37,8 +37,6 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
-_installed = False
-
 
 @dataclass(frozen=True, kw_only=True)
 class DraftRingSpec(SlidingWindowSpec):
@@ -120,16 +118,17 @@ def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int) ->
 def install() -> bool:
     """Wraps Model Runner V2's ``get_kv_cache_spec``: with DHiSparseConnector and a
     DSpark / DFlash2 drafter, the drafter's layers report the draft ring."""
-    global _installed
-    if _installed:
-        return True
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     except ImportError:
         return False
+    from .support import wrap_method
     register_spec()
-    original = GPUModelRunner.get_kv_cache_spec
+    wrap_method(GPUModelRunner, "get_kv_cache_spec", _ring_spec)
+    return True
 
+
+def _ring_spec(original):
     def get_kv_cache_spec(self):
         specs = original(self)
         sizes = _draft_sizes(self.vllm_config)
@@ -145,10 +144,7 @@ def install() -> bool:
         logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d",
                     len(names()), sizes["draft_window"], sizes["k_max"])
         return out
-
-    GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
-    _installed = True
-    return True
+    return get_kv_cache_spec
 
 
 def _draft_sizes(vllm_config) -> dict | None:

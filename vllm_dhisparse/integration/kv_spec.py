@@ -48,8 +48,6 @@ from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
-_installed = False
-
 
 @dataclass(frozen=True, kw_only=True)
 class DHiSparseCompressedSpec(MLAAttentionSpec):
@@ -121,16 +119,17 @@ def _window_from_config(vllm_config) -> int:
 def install() -> bool:
     """Wraps the DeepSeek-V4 attention layer's ``get_kv_cache_spec``: with the
     connector configured and a window set, c4a layers return the windowed spec."""
-    global _installed
-    if _installed:
-        return True
     try:
         from vllm.models.deepseek_v4.attention import DeepseekV4Attention
     except ImportError:
         return False
+    from .support import wrap_method
     register_spec()
-    original = DeepseekV4Attention.get_kv_cache_spec
+    wrap_method(DeepseekV4Attention, "get_kv_cache_spec", _windowed_spec)
+    return True
 
+
+def _windowed_spec(original):
     def get_kv_cache_spec(self, vllm_config):
         spec = original(self, vllm_config)
         if spec is None or getattr(self, "compress_ratio", None) != 4 \
@@ -142,7 +141,4 @@ def install() -> bool:
         fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
         fields.update(device_window_tokens=window, dcp_sharded=False)
         return DHiSparseCompressedSpec(**fields)
-
-    DeepseekV4Attention.get_kv_cache_spec = get_kv_cache_spec
-    _installed = True
-    return True
+    return get_kv_cache_spec

@@ -30,6 +30,17 @@ def connector_config(vllm_config: "VllmConfig"):
     return DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
 
 
+def wrap_method(cls, name: str, make_wrapper) -> None:
+    """``cls.name = make_wrapper(original)``, once per process: the plugin's ``register``
+    runs several times in one process and must not wrap a wrapper."""
+    original = getattr(cls, name)
+    if getattr(original, "_dhisparse_wrapper", False):
+        return
+    wrapper = make_wrapper(original)
+    wrapper._dhisparse_wrapper = True
+    setattr(cls, name, wrapper)
+
+
 def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
     """Raises ``ValueError`` naming what is unsupported and what to pass instead."""
     if platform is None:
