@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results file, no runs")
     ap.add_argument("--set", action="append", default=[], metavar="_NAME=INT",
                     help="override a launcher constant of our resolve module for this run "
-                         "(recorded in the results file), e.g. --set _EARLY_STATE=0")
+                         "(recorded in the results file), e.g. --set _ONE_BLOCK_B=1024")
     args = ap.parse_args(argv)
     if args.replot:
         import json

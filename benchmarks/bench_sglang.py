@@ -165,7 +165,7 @@ def build_case(n, cfg, frac, host, dev, seed):
     st.save()
     sel = torch.stack(sel).to(device=dev, dtype=torch.int32)
     i32 = dict(dtype=torch.int32, device=dev)
-    # SGLang side: own device buffer [n*(B+1), rb], same hot rows, same LRU order
+    # SGLang side: own device buffer [n*(B+1), rb], same hot rows
     sg = {}
     dbl = (torch.arange(n, **i32)[:, None] * (budget + 1) + torch.arange(budget + 1, **i32)[None])
     sg["device_buffer_locs"] = dbl.contiguous()
@@ -176,7 +176,9 @@ def build_case(n, cfg, frac, host, dev, seed):
     newest = torch.full((n, 1), rows - 1, **i32)
     sg["tokens0"] = torch.cat([st.hot_pos, newest], 1).contiguous()
     sg["device_buffer_tokens"] = sg["tokens0"].clone()
-    sg["lru0"] = st.lru_order.to(torch.int16).contiguous()
+    g_lru = torch.Generator(device="cpu").manual_seed(1)  # SGLang's own LRU list: any permutation
+    sg["lru0"] = torch.stack([torch.randperm(budget, generator=g_lru) for _ in range(n)]).to(
+        device=dev, dtype=torch.int16).contiguous()
     sg["lru_slots"] = sg["lru0"].clone()
     sg["host_cache_locs"] = (st.host_base[:, None] + torch.arange(rows, device=dev)[None]).contiguous()
     sg["top_k_tokens"] = sel.contiguous()

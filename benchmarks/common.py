@@ -1,6 +1,6 @@
 """Shared helpers for the resolver benchmarks (bench_resolve, bench_gather, bench_sglang).
 
-Timing method (resolve() mutates hot_pos / lru_order / hot_slot_of, so a call is
+Timing method (resolve() mutates hot_pos / hot_stamp / hot_clock / hot_slot_of, so a call is
 not idempotent):
 
 * Every timed iteration starts from the same state.  Before each iteration we
@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
-STATE_KEYS = ("hot_pos", "lru_order", "hot_slot_of")
+STATE_KEYS = ("hot_pos", "hot_stamp", "hot_clock", "hot_slot_of")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -297,7 +297,8 @@ class SynthState:
     page_size: int
     hot_pos: torch.Tensor
     hot_rows: torch.Tensor
-    lru_order: torch.Tensor
+    hot_stamp: torch.Tensor
+    hot_clock: torch.Tensor
     hot_slot_of: torch.Tensor
     host_base: torch.Tensor
     seq_lens: torch.Tensor
@@ -309,7 +310,7 @@ class SynthState:
 
     def resolve_args(self, selections: torch.Tensor, slot_ids: torch.Tensor):
         return (selections, slot_ids, self.page_table, self.page_size, self.hot_pos,
-                self.hot_rows, self.lru_order, self.hot_slot_of, self.staging_rows,
+                self.hot_rows, self.hot_stamp, self.hot_clock, self.hot_slot_of, self.staging_rows,
                 self.host_base)
 
     def save(self) -> None:
@@ -358,11 +359,14 @@ def build_state(*, n_slots: int, rows: int, row_bytes: int, budget: int, staging
     staging = (stage0 + slots[:, None] * staging_cols
                + torch.arange(staging_cols, **i32)[None]).contiguous()
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    lru = torch.stack([torch.randperm(budget, generator=g) for _ in range(n_slots)]).to(**i32)
+    # a steady state's recency: ages 1 .. 4095 calls (two radix passes when victims are chosen)
+    clock = torch.full((n_slots,), 2**20, **i32)
+    ages = torch.randint(1, 4096, (n_slots, budget), generator=g).to(**i32)
     st = SynthState(
         page_table=page_table, page_size=page_size,
         hot_pos=torch.full((n_slots, budget), -1, **i32), hot_rows=hot_rows,
-        lru_order=lru.contiguous(), hot_slot_of=torch.full((n_slots, rows), -1, **i32),
+        hot_stamp=(clock[:, None] - ages).contiguous(), hot_clock=clock,
+        hot_slot_of=torch.full((n_slots, rows), -1, **i32),
         host_base=(slots.long() * rows).contiguous(),
         seq_lens=torch.full((n_slots,), rows, **i32), staging_rows=staging,
         device_rows=device_rows, host_rows=host_rows, rows=rows)
@@ -399,7 +403,8 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
     else:
         ref_tables = st.clone_tables()
         ref_args = (selections, slot_ids, st.page_table, st.page_size, ref_tables["hot_pos"],
-                    st.hot_rows, ref_tables["lru_order"], ref_tables["hot_slot_of"],
+                    st.hot_rows, ref_tables["hot_stamp"], ref_tables["hot_clock"],
+                    ref_tables["hot_slot_of"],
                     st.staging_rows, st.host_base)
         r_loc, r_src, r_dst, r_cnt, r_ctr = resolve_reference(
             *ref_args, num_device_rows=st.device_rows.shape[0])

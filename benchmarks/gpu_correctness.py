@@ -100,11 +100,16 @@ class Setup:
         self.ready = torch.zeros(S, self.n_pages, dtype=torch.bool)
         self.hot_pos = torch.full((S, B), -1, dtype=torch.int32, device=dev)
         self.hot_slot_of = torch.full((S, P), -1, dtype=torch.int32, device=dev)
-        self.lru_order = torch.stack([torch.randperm(B, generator=g) for _ in range(S)]).int().to(dev)
-        self.shadow = [t.clone() for t in (self.hot_pos, self.lru_order, self.hot_slot_of)]
+        self.hot_clock = torch.randint(0, 2**31 - 1, (S,), generator=g, dtype=torch.int32).to(dev)
+        self.hot_stamp = (self.hot_clock[:, None] - torch.randint(
+            0, 4096, (S, B), generator=g, dtype=torch.int32).to(dev)).contiguous()
+        self.shadow = [t.clone() for t in self.state()]
         # per-slot working set: the rows the indexer keeps coming back to
         self.working = torch.rand(S, P, generator=g).to(dev) < 0.6 * k / P
         self.set_direct(0.0)
+
+    def state(self):
+        return (self.hot_pos, self.hot_stamp, self.hot_clock, self.hot_slot_of)
 
     def set_direct(self, fraction: float):
         """The tail page of each request plus ``fraction`` of its history is direct."""
@@ -127,15 +132,14 @@ class Setup:
         bad_hso = [i32[i % 4] if i % 5 else B + i for i in range(rows.numel())]
         empty = (self.hot_pos[s] < 0).nonzero().flatten()[:2]  # never-held slots go bad too
         ready = self.ready[s].nonzero().flatten()[:1]
-        hp_shadow, lru_shadow, hso_shadow = self.shadow
         bad_hp = torch.tensor([P, -5][:empty.numel()], dtype=torch.int32, device=self.dev)
-        bad_lru = torch.tensor([-1, B, 2**31 - 1][:min(3, B)], dtype=torch.int32, device=self.dev)
+        bad_stamp = torch.tensor([-1, 2**31 - 1, -2**31][:min(3, B)], dtype=torch.int32,
+                                 device=self.dev)  # any value is a stamp: ages only
         bad_hso = torch.tensor(bad_hso, dtype=torch.int32, device=self.dev)
-        for hso, hp, lru in ((self.hot_slot_of, self.hot_pos, self.lru_order),
-                             (hso_shadow, hp_shadow, lru_shadow)):
+        for hp, stamp, _, hso in (self.state(), self.shadow):
             hso[s, rows] = bad_hso
             hp[s, empty] = bad_hp
-            lru[s, :bad_lru.numel()] = bad_lru
+            stamp[s, :bad_stamp.numel()] = bad_stamp
         if ready.numel():  # a ready page's entry beyond the device pool (read-only table)
             self.page_table[s, int(ready[0])] = self.device_rows.shape[0]
         sel = sel.clone()
@@ -168,8 +172,9 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     common = (s.page_table, s.page_size)
     sync()
     t0 = time.perf_counter()
-    got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_rows, s.lru_order, s.hot_slot_of,
-                  s.staging_rows, s.host_base, num_device_rows=s.device_rows.shape[0])
+    got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_rows, s.hot_stamp, s.hot_clock,
+                  s.hot_slot_of, s.staging_rows, s.host_base,
+                  num_device_rows=s.device_rows.shape[0])
     sync()
     t1 = time.perf_counter()
     locations, miss_src, miss_dst, miss_count, counters = got
@@ -177,15 +182,15 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     gather_rows(s.host_rows, s.device_rows, miss_src, miss_dst, miss_count)
     sync()
     t2 = time.perf_counter()
-    hp, lo, hs = s.shadow
-    want = resolve_reference(sel, slot_ids, *common, hp, s.hot_rows, lo, hs, s.staging_rows,
-                             s.host_base, num_device_rows=s.device_rows.shape[0])
+    hp, stamp, clock, hs = s.shadow
+    want = resolve_reference(sel, slot_ids, *common, hp, s.hot_rows, stamp, clock, hs,
+                             s.staging_rows, s.host_base, num_device_rows=s.device_rows.shape[0])
     errors = []
     for name, a, b in zip(("locations", "miss_src", "miss_dst", "miss_count", "counters"), got, want):
         if not torch.equal(a, b):
             errors.append(f"{name}: {int((a != b).sum())} entries differ")
-    for name, a, b in zip(("hot_pos", "lru_order", "hot_slot_of"),
-                          (s.hot_pos, s.lru_order, s.hot_slot_of), s.shadow):
+    for name, a, b in zip(("hot_pos", "hot_stamp", "hot_clock", "hot_slot_of"),
+                          s.state(), s.shadow):
         if not torch.equal(a, b):
             errors.append(f"{name}: {int((a != b).sum())} entries differ")
     gather_reference(s.truth, before, miss_src, miss_dst, miss_count)  # oracle on the device copy
@@ -292,9 +297,9 @@ def main() -> int:
         slot_ids = torch.randperm(setup.S, generator=g)[:case.batch].int().to(dev)
         # compile outside the timed calls, on throwaway copies of the state
         warm = setup.selections(slot_ids)
-        scratch = [t.clone() for t in (setup.hot_pos, setup.lru_order, setup.hot_slot_of)]
+        scratch = [t.clone() for t in setup.state()]
         out = resolve(warm, slot_ids, setup.page_table, setup.page_size, scratch[0], setup.hot_rows,
-                      scratch[1], scratch[2], setup.staging_rows, setup.host_base,
+                      scratch[1], scratch[2], scratch[3], setup.staging_rows, setup.host_base,
                       num_device_rows=setup.device_rows.shape[0])
         gather_rows(setup.host_rows, setup.device_rows.clone(), out[1], out[2], out[3])
         for call in range(args.calls):

@@ -32,12 +32,11 @@ from vllm_dhisparse.triton_kernels import gather_rows  # noqa: E402
 
 DEFAULTS = dict(_BLOCK_W=2048, _BLOCK_B=1024, _ONE_BLOCK_B=4096, _NUM_WARPS=16,
                 _MANY_BLOCK_W=1024, _MANY_BLOCK_B=512, _FUSE_MAX_WIDTH=2048, _COPY_ELEMS=4096,
-                _SORT_MID=1024, _MARK_STORE=True, copy=True)
+                _SORT_MID=1024, copy=True)
 VARIANTS = {  # v3 = the module's defaults; the others each change one setting
     "v3": dict(),
     "w8": dict(_NUM_WARPS=8),
     "nomid": dict(_SORT_MID=0),
-    "nomark": dict(_MARK_STORE=False),
     "copy2k": dict(_COPY_ELEMS=2048),
     "copy8k": dict(_COPY_ELEMS=8192),
     "copy16k": dict(_COPY_ELEMS=16384),

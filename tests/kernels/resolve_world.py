@@ -13,7 +13,7 @@ from vllm_dhisparse.triton_kernels import gather_rows, resolve, resolve_referenc
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 OUTPUT_NAMES = ("locations", "miss_src", "miss_dst", "miss_count", "counters")
-STATE_NAMES = ("hot_pos", "lru_order", "hot_slot_of")
+STATE_NAMES = ("hot_pos", "hot_stamp", "hot_clock", "hot_slot_of")
 
 
 def assert_same(name, got, want, context=""):
@@ -64,8 +64,10 @@ class World:
             .view(batch, per_row).to(DEVICE)
         self.hot_pos = torch.full((slots, budget), -1, dtype=torch.int32, device=DEVICE)
         self.hot_slot_of = torch.full((slots, positions), -1, dtype=torch.int32, device=DEVICE)
-        self.lru_order = torch.stack([torch.randperm(budget, generator=g)
-                                      for _ in range(slots)]).int().to(DEVICE)
+        # stamps of earlier calls, with ties, and the clock just past them
+        self.hot_clock = torch.randint(20, 30, (slots,), generator=g, dtype=torch.int32).to(DEVICE)
+        self.hot_stamp = (self.hot_clock.cpu()[:, None] - torch.randint(
+            0, 6, (slots, budget), generator=g, dtype=torch.int32)).to(DEVICE)
         self.ref = None
 
     def truth(self, slot, pos):
@@ -88,7 +90,7 @@ class World:
             self.device_rows[int(self.hot_rows[slot, b])] = self.truth(slot, pos)
 
     def state(self):
-        return [self.hot_pos, self.lru_order, self.hot_slot_of]
+        return [self.hot_pos, self.hot_stamp, self.hot_clock, self.hot_slot_of]
 
     def selections(self, slot_ids, queries, top_k, *, pad=0.1, dup=0.2, pad_query=False,
                    lo=0, hi=None):
@@ -119,10 +121,11 @@ class World:
         tail = (self.staging_rows, self.host_base)
         rows = {} if copy is None else dict(host_rows=self.host_rows, device_rows=self.device_rows,
                                             fused_copy=copy)
-        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.lru_order,
-                      self.hot_slot_of, *tail, **rows, num_device_rows=self.n_dev_rows)
-        hp, lo, hs = self.ref
-        want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, lo, hs, *tail,
+        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.hot_stamp,
+                      self.hot_clock, self.hot_slot_of, *tail, **rows,
+                      num_device_rows=self.n_dev_rows)
+        hp, stamp, clock, hs = self.ref
+        want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, stamp, clock, hs, *tail,
                                  num_device_rows=self.n_dev_rows)
         ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
             else f" ({context}; slots {slot_ids})"
@@ -156,12 +159,11 @@ class World:
             assert int((self.hot_slot_of[s] >= 0).sum()) == held.numel(), f"stale hot_slot_of{ctx}"
             assert_same(f"hot bytes (slot {s})", self.device_rows[self.hot_rows[s, held].long()],
                         self.truth(s, pos), ctx)
-            assert sorted(self.lru_order[s].tolist()) == list(range(self.B)), \
-                f"lru_order of slot {s} is not a permutation{ctx}"
 
 
 GUARD = -123456789  # sentinel filling the rows around every table (never a valid entry)
-GUARDED = ("page_table", "hot_pos", "hot_rows", "lru_order", "hot_slot_of", "staging_rows")
+GUARDED = ("page_table", "hot_pos", "hot_rows", "hot_stamp", "hot_clock", "hot_slot_of",
+           "staging_rows")
 
 
 class GuardedWorld(World):
@@ -174,7 +176,7 @@ class GuardedWorld(World):
         self._outer = {}
         for name in GUARDED:
             t = getattr(self, name)
-            outer = torch.full((t.shape[0] + 2 * g, t.shape[1]), GUARD, dtype=t.dtype,
+            outer = torch.full((t.shape[0] + 2 * g, *t.shape[1:]), GUARD, dtype=t.dtype,
                                device=t.device)
             outer[g:g + t.shape[0]] = t
             self._outer[name] = (outer, g)

@@ -185,7 +185,8 @@ def test_miss_sort_buckets(n_distinct, queries, sort_mid, monkeypatch):
 
 
 def test_one_block_and_chunked_lru_paths(monkeypatch):
-    """B above the one-block limit goes through scratch and a copy back."""
+    """B above the one-block limit: phase 3 walks the stamps in chunks (victim ranks
+    and ties carried across chunks)."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_ONE_BLOCK_B", 2)
     monkeypatch.setattr(resolve_module, "_BLOCK_B", 4)
@@ -245,7 +246,8 @@ def _good_args(w, n=2, queries=2, top_k=4):
     sel = w.selections(list(range(n)), queries, top_k)
     return dict(selections=sel, slot_ids=torch.arange(n, dtype=torch.int32, device=DEVICE),
                 page_table=w.page_table, page_size=w.page_size, hot_pos=w.hot_pos,
-                hot_rows=w.hot_rows, lru_order=w.lru_order, hot_slot_of=w.hot_slot_of,
+                hot_rows=w.hot_rows, hot_stamp=w.hot_stamp, hot_clock=w.hot_clock,
+                hot_slot_of=w.hot_slot_of,
                 staging_rows=w.staging_rows, host_base=w.host_base, num_device_rows=w.n_dev_rows)
 
 
@@ -261,7 +263,8 @@ def _good_args(w, n=2, queries=2, top_k=4):
     ("page_size", lambda a: 4.0, "positive int"),
     ("hot_pos", lambda a: a["hot_pos"].float(), "int32"),
     ("hot_rows", lambda a: a["hot_rows"][:, :-1], "shape"),
-    ("lru_order", lambda a: a["lru_order"].to(torch.int16), "int32"),
+    ("hot_stamp", lambda a: a["hot_stamp"].to(torch.int16), "int32"),
+    ("hot_clock", lambda a: a["hot_clock"][:, None], "shape"),
     ("hot_slot_of", lambda a: a["hot_slot_of"][:-1], "shape"),
     ("hot_slot_of", lambda a: a["hot_slot_of"].t(), "shape|contiguous"),
     ("staging_rows", lambda a: a["staging_rows"][:, :3], ">= K\\*k - B"),
@@ -292,13 +295,13 @@ def test_cpu_tensors_need_interpreter(monkeypatch):
 def test_mismatched_devices_cuda():
     w = World(budget=4, width=8)
     args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
-    args["lru_order"] = args["lru_order"].cpu()
-    with pytest.raises(ValueError, match="lru_order"):
+    args["hot_stamp"] = args["hot_stamp"].cpu()
+    with pytest.raises(ValueError, match="hot_stamp"):
         resolve(**args)
 
 
 def test_many_programs_warm_slots(monkeypatch):
-    """More programs than SMs, hot rows warmed first: chunked LRU pass with hits."""
+    """More programs than SMs, hot rows warmed first: chunked victim pass with hits."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
@@ -325,3 +328,52 @@ def test_distinct_misses_get_locations_from_their_owner(many, monkeypatch):
     sel = sel[:, torch.randperm(24, generator=g)].view(2, 2, 12).int().to(DEVICE)
     w.call(sel, [0, 1], copy=True)
     w.call(sel.flip(0), [1, 0], copy=False)
+
+
+def _wrap32(x):
+    return (x + 2**31) % 2**32 - 2**31
+
+
+# ages (c - stamp) of the 12 hot slots, c = this call's stamp: one to four radix passes,
+# ties at 301 and 2**24 + 6, the two largest ages a wrapped clock can express
+AGES = [2, 2, 4, 301, 301, 70001, 2**24 + 6, 2**24 + 6, 2**31, 2**32 - 1, 8, 3]
+
+
+@pytest.mark.parametrize("layout", ["one_block", "chunked", "many_programs"])
+@pytest.mark.parametrize("clock", [25, 2**31 - 1, -2**31], ids=["clock25", "wraps", "int32_min"])
+@pytest.mark.parametrize("misses,hit,victims", [
+    (3, False, [6, 8, 9]),  # the tie at 2**24 + 6 goes to the lower slot
+    (5, False, [5, 6, 7, 8, 9]),
+    (6, False, [3, 5, 6, 7, 8, 9]),
+    (3, True, [6, 7, 8]),  # slot 9 (the oldest) is hit by the same call: protected
+    (12, False, list(range(12))),  # every slot
+])
+def test_victims_are_the_oldest_slots_in_slot_order(layout, clock, misses, hit, victims,
+                                                    monkeypatch):
+    """The spec's victim rule, spelled out (the reference) and matched by the kernel:
+    the n_fill largest ages (c - stamp) mod 2**32 among slots the call does not hit,
+    ties to the lower slot, the i-th miss (ascending row) to the i-th victim in slot
+    order; every slot used is stamped c, the clock becomes c (wrapping)."""
+    mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    if layout == "chunked":
+        monkeypatch.setattr(mod, "_ONE_BLOCK_B", 2)
+        monkeypatch.setattr(mod, "_BLOCK_B", 4)
+    if layout == "many_programs":
+        monkeypatch.setattr(mod, "_sm_count", lambda dev: 1)
+        monkeypatch.setattr(mod, "_MANY_BLOCK_B", 4)
+    w = World(budget=12, width=16, positions=60, slots=2, batch=2, staging_extra=4)
+    w.warm(0, list(range(12)))  # slot b holds row b
+    c = _wrap32(clock + 1)
+    w.hot_clock[0] = clock
+    w.hot_stamp[0] = torch.tensor([_wrap32(c - a) for a in AGES], dtype=torch.int32)
+    rows = list(range(40, 40 + misses)) + ([9] if hit else [])
+    sel = torch.full((2, 1, 16), -1, dtype=torch.int32)
+    sel[0, 0, :len(rows)] = torch.tensor(rows[::-1], dtype=torch.int32)
+    idle_clock = int(w.hot_clock[1])
+    out = w.call(sel.to(DEVICE), [0, 1])
+    assert w.hot_pos[0, victims].tolist() == list(range(40, 40 + misses))
+    assert int(out[4][0, COUNTER_FETCHED]) == misses
+    used = victims + ([9] if hit else [])
+    assert set(w.hot_stamp[0].eq(c).nonzero().flatten().tolist()) == set(used)
+    assert int(w.hot_clock[0]) == c
+    assert int(w.hot_clock[1]) == idle_clock  # an all-padding row takes no stamp

@@ -1,5 +1,6 @@
 """The resolver under corrupted state: every out-of-range or negative entry of one
-request's tables (page_table, hot_slot_of, hot_pos, lru_order) and bad slot ids.
+request's tables (page_table, hot_slot_of, hot_pos) and bad slot ids; any value of the
+recency tables (hot_stamp, hot_clock), which are never used as indices.
 
 For each corruption, one request among three is corrupted and the same selections
 run on a clean copy of the world: the kernel and the reference agree bit for bit
@@ -74,17 +75,13 @@ def corrupt(w, table, value):
             put((BAD_SLOT, b), value(w))
         held = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
         return rows, lambda s: 3 + int(torch.isin(s, held).sum())
-    if table == "lru_order":
-        for i in (0, 5):
-            put((BAD_SLOT, i), value(w))
-        return [1, 44, 45], lambda s: 2
-    if table == "lru_repeat":  # in range, but slot lru[1] named three times: not a permutation
-        for i in (0, 5):
-            put_lru = int(w.lru_order[BAD_SLOT, 1])
-            w.lru_order[BAD_SLOT, i] = put_lru
-            if w.ref is not None:
-                w.ref[STATE_NAMES.index("lru_order")][BAD_SLOT, i] = put_lru
-        return [1, 44, 45], lambda s: 2
+    if table == "hot_stamp":  # any int32 is a stamp: nothing to repair, only ages change
+        for b in (0, 5):
+            put((BAD_SLOT, b), value(w))
+        return [1, 44, 45], lambda s: 0
+    if table == "hot_clock":
+        put(BAD_SLOT, value(w))
+        return [1, 44, 45], lambda s: 0
     raise AssertionError(table)
 
 
@@ -94,9 +91,9 @@ VALUES = {
     "int32_max": lambda w: I32_MAX,
     "claim_like": lambda w: -(2**30) + 1,  # looks like the kernel's own claim codes
     "just_above": lambda w: {"page_table": w.n_dev_rows - w.page_size + 1, "hot_slot_of": w.B,
-                             "hot_pos": w.P, "lru_order": w.B, "lru_repeat": 0}[w._table],
+                             "hot_pos": w.P, "hot_stamp": 2**31 - 2, "hot_clock": 2**31 - 1}[w._table],
 }
-TABLES = ("page_table", "hot_slot_of", "hot_pos", "lru_order", "lru_repeat")
+TABLES = ("page_table", "hot_slot_of", "hot_pos", "hot_stamp", "hot_clock")
 
 
 def own_rows(w, slot, batch_row):
@@ -116,8 +113,8 @@ def call_and_gather(w, sel, copy):
 
 @pytest.fixture(params=["one_block", "many_programs", "chunked"])
 def path(request, monkeypatch):
-    """The kernel's three layouts: whole-B block; more programs than SMs (chunked LRU,
-    atomic marks); K*k wider than one chunk (phase 1 through scratch)."""
+    """The kernel's three layouts: whole-B block; more programs than SMs (phase 3 in
+    chunks of B); K*k wider than one chunk (phase 1 through scratch)."""
     mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     if request.param == "many_programs":
         monkeypatch.setattr(mod, "_sm_count", lambda dev: 1)
@@ -130,8 +127,6 @@ def path(request, monkeypatch):
 @pytest.mark.parametrize("value", sorted(VALUES))
 @pytest.mark.parametrize("table", TABLES)
 def test_one_corrupted_request_among_several(table, value, path):
-    if table == "lru_repeat" and value != "minus7":
-        pytest.skip("the repeated entry is the corruption; the value is not used")
     if table == "hot_slot_of" and value == "just_above" and path != "one_block":
         pytest.skip("one path is enough for the in-range variant of this table")
     copy = None if path == "chunked" else True
@@ -196,21 +191,17 @@ def test_padding_and_out_of_range_slot_ids(slot_id, repairs, path):
 
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early_state", "late_state"])
-def test_all_direct_call_leaves_the_hot_cache_state_alone(path, early, monkeypatch):
-    """A call whose selections are all direct (or padding) reads no hot-cache row: the
-    corrupted hot_pos and lru_order entries of its request stay as they are and are not
-    counted (kernel == reference), until the first call with a hit or a miss repairs
-    them.  Both ways the one-block kernel loads the two rows (early / late) agree."""
-    mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    monkeypatch.setattr(mod, "_EARLY_STATE", early)
+def test_all_direct_call_leaves_the_hot_cache_state_alone(path):
+    """A call whose selections are all direct (or padding) reads no hot-cache row and
+    takes no stamp: the corrupted hot_pos entries of its request stay as they are and
+    are not counted (kernel == reference), until the first call with a miss repairs
+    them."""
     copy = None if path == "chunked" else True
     w = make_world()
     w.make_direct(BAD_SLOT, [3, 10])
     call_and_gather(w, selections(w, seed=1), copy)  # warm; creates the reference shadow
-    for table, value in (("hot_pos", lambda w: w.P + 3), ("lru_order", lambda w: -5)):
-        w._table = table
-        corrupt(w, table, value)
+    w._table = "hot_pos"
+    corrupt(w, "hot_pos", lambda w: w.P + 3)
     direct = {2: [4, 5, 27, 24], 0: [12, 15, 40, 43], 3: [0, 1, 2, 3]}  # ready pages only
     sel = torch.full((len(SLOTS), 3, 4), -1, dtype=torch.int32)
     for r, s in enumerate(SLOTS):
@@ -223,7 +214,8 @@ def test_all_direct_call_leaves_the_hot_cache_state_alone(path, early, monkeypat
     for name, a, b in zip(STATE_NAMES, w.state(), before):
         assert_same(name, a, b)  # corrupt entries included: nothing read, nothing written
     later = call_and_gather(w, selections(w, seed=2, bad_positions=[44, 45]), copy)
-    assert int(later[4][BAD_ROW, COUNTER_REPAIRS]) >= 5  # 3 hot_pos + 2 lru_order entries
+    assert int(later[3][BAD_ROW]) > 0  # a miss: the call reads the whole row
+    assert int(later[4][BAD_ROW, COUNTER_REPAIRS]) >= 3  # the 3 hot_pos entries
     w.guards_intact()
 
 
@@ -232,12 +224,10 @@ def test_reference_refuses_to_wrap_negative_slots():
     w = make_world()
     w._table = "hot_slot_of"
     corrupt(w, "hot_slot_of", lambda w: -1 - w.B + 2)  # -7: would wrap to slot 1
-    w._table = "lru_order"
-    corrupt(w, "lru_order", lambda w: -1)
     sel = selections(w, seed=5, bad_positions=[5, 20, 33, 40, 40])
     out = w.call(sel, SLOTS, check_bytes=False, copy=True)
     w.check_bytes(sel, SLOTS, out[0])
-    assert int(out[4][BAD_ROW, COUNTER_REPAIRS]) == 5 + 2
+    assert int(out[4][BAD_ROW, COUNTER_REPAIRS]) == 5
 
 
 def _direct_call(args, **kw):
@@ -257,7 +247,8 @@ def _tables(n_slots, budget, positions, n_pages, page_size=4):
     return dict(page_table=torch.full((n_slots, n_pages), -1, **i32), page_size=page_size,
                 hot_pos=torch.full((n_slots, budget), -1, **i32),
                 hot_rows=torch.arange(n_slots * budget, **i32).view(n_slots, budget),
-                lru_order=torch.arange(budget, **i32).repeat(n_slots, 1),
+                hot_stamp=torch.zeros(n_slots, budget, **i32),
+                hot_clock=torch.zeros(n_slots, **i32),
                 hot_slot_of=torch.full((n_slots, positions), -1, **i32),
                 host_base=torch.zeros(n_slots, dtype=torch.int64, device=DEVICE))
 
@@ -281,13 +272,3 @@ def test_pool_smaller_than_a_page():
     args["page_table"][0, 1] = 0
     got = _direct_call(args, num_device_rows=1)
     assert int(got[4][0, COUNTER_REPAIRS]) == 1  # the entry 0 of page 1; page 0's -1 is fine
-
-
-def test_budget_beyond_the_count_fields_is_refused():
-    from vllm_dhisparse.triton_kernels import resolve
-    args = dict(selections=torch.zeros(1, 1, 1, dtype=torch.int32, device=DEVICE),
-                slot_ids=torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                staging_rows=torch.zeros(1, 0, dtype=torch.int32, device=DEVICE),
-                **_tables(1, 2**15, 8, 2))
-    with pytest.raises(ValueError, match="B = 32768 hot slots per request must be <= 32767"):
-        resolve(**args, num_device_rows=2**16)

@@ -41,9 +41,10 @@ def test_adaptive_is_index_hot_tail_metadata():
     assert s.hot_bytes() == 240
     assert s.tail_bytes() == 120
     assert s.adaptive(9, metadata=False) == 96 + 240 + 120
-    # metadata per state: (pages 3 + 3 * B 24 + rows 12 + seq_len 1) * 4 + host_base 8 = 168
-    assert s.metadata_bytes(9) == 2 * 168
-    assert s.adaptive(9) == 456 + 336
+    # metadata per state: (pages 3 + 3 * B 24 + rows 12 + seq_len 1 + hot_clock 1) * 4
+    # + host_base 8 = 172
+    assert s.metadata_bytes(9) == 2 * 172
+    assert s.adaptive(9) == 456 + 344
 
 
 def test_adaptive_does_not_grow_with_history_except_index_and_metadata():

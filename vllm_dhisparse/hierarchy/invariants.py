@@ -5,9 +5,9 @@
     copy (paper 3.1, D_r ⊆ H_r of eq. 6).  With ``truth`` every claimed copy
     must hold the original bytes: device rows of published pages, host rows
     marked backed.
-(b) The hot cache is coherent: ``hot_pos`` and ``hot_slot_of`` are inverse,
-    ``lru_order`` is a permutation, and the device rows at ``hot_rows`` hold the
-    original rows they claim (eq. 12 for hot hits).
+(b) The hot cache is coherent: ``hot_pos`` and ``hot_slot_of`` are inverse, no
+    hot slot carries a stamp ahead of its clock, and the device rows at
+    ``hot_rows`` hold the original rows they claim (eq. 12 for hot hits).
 (c) No pending page is published (ready vs allocated), and the direct map
     publishes exactly the tail and ready optional pages.
 (d) Pool accounting: pages in use = Σ required + optional + pending, no page
@@ -107,9 +107,10 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
             # (b) hot cache coherence
             hot_pos = st.hot_pos[slot].cpu().long()
             slot_of = st.hot_slot_of[slot].cpu().long()
-            lru = st.lru_order[slot].cpu().long()
-            assert sorted(lru.tolist()) == list(range(budget)), \
-                f"{where}: lru_order {lru.tolist()} is not a permutation of 0..{budget - 1}"
+            ahead = (st.hot_stamp[slot].cpu().long() - int(st.hot_clock[slot])) > 0
+            assert not bool(ahead.any()), (
+                f"{where}: hot slots {ahead.nonzero().flatten().tolist()} carry stamps ahead "
+                f"of the clock {int(st.hot_clock[slot])}")
             held = hot_pos >= 0
             assert bool((hot_pos[held] < n).all()), \
                 f"{where}: hot cache holds rows {hot_pos[held].tolist()} at/after seq_len {n}"

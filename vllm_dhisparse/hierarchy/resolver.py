@@ -149,7 +149,7 @@ class Resolver:
                                  f"pass staging_rows [N, >= {need}] int32 (device rows for overflow)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
-                src.lru_order, src.hot_slot_of, staging_rows, src.host_base)
+                src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
         rows = self.planes[0][1].shape[0]
         if self.backend == "triton" and len(self.planes) == 1:
             # one plane: the resolve launch copies the misses itself (fused when K*k is

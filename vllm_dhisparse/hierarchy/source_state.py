@@ -11,9 +11,10 @@ Tables, all on the pool's device:
   optional-history pages), -1 otherwise.  Only *ready* pages are published
   here; an allocated page whose copy is still pending stays -1 (paper 3.1:
   ready vs allocated).
-* ``hot_pos / hot_rows / lru_order [S, B] int32`` and
-  ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache with exact LRU
-  (see ``vllm_dhisparse/triton_kernels/reference.py`` for the update rule).
+* ``hot_pos / hot_rows / hot_stamp [S, B] int32``, ``hot_clock [S] int32`` and
+  ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache, least recently used
+  slots evicted first by call stamps (see ``vllm_dhisparse/triton_kernels/reference.py``
+  for the update rule).
 * ``seq_lens [S] int32`` — rows of history per slot (selections must be below);
   mirrored on the host, so reading a length never waits for the device.
 * ``host_base [S] int64`` — host row of the slot's row 0 in the host store.
@@ -50,7 +51,8 @@ class SourceState:
         self.page_table = torch.full((max_slots, self.max_pages), -1, **i32)
         self.hot_pos = torch.full((max_slots, self.budget), -1, **i32)
         self.hot_rows = torch.full((max_slots, self.budget), -1, **i32)
-        self.lru_order = torch.arange(self.budget, **i32).repeat(max_slots, 1)
+        self.hot_stamp = torch.zeros((max_slots, self.budget), **i32)
+        self.hot_clock = torch.zeros(max_slots, **i32)
         self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
         self.seq_lens = torch.zeros(max_slots, **i32)
         self._seq_len_host = [0] * max_slots
@@ -84,7 +86,8 @@ class SourceState:
         self.page_table[slot] = -1
         self.hot_pos[slot] = -1
         self.hot_rows[slot] = -1
-        self.lru_order[slot] = torch.arange(self.budget, dtype=torch.int32, device=self.device)
+        self.hot_stamp[slot] = 0
+        self.hot_clock[slot] = 0
         self.hot_slot_of[slot] = -1
         self.seq_lens[slot] = 0
         self._seq_len_host[slot] = 0

@@ -14,20 +14,23 @@ Resolution contract (paper eq. 2, 6, 12), for one KV source:
   ``page_table``) -> hot cache (``hot_slot_of``) -> host.
 * The union of a request's K queries is resolved once (eq. 6): each distinct
   missing row is fetched once, every selecting query gets its location.
-* Misses are ordered by position (ascending, i.e. host-address order).  The
-  i-th distinct miss takes the i-th least-recent *untouched* hot slot in
-  ``lru_order`` (hot hits of this call are protected).  Misses beyond the
-  available victims go, in the same order, to ``staging_rows[n]`` and do not
-  enter the hot cache.
-* LRU update is a stable partition of ``lru_order``: untouched slots keep their
-  order at the front, touched slots (hits and fills of this call) follow in
-  their previous order.  Recency therefore has call granularity, with ties
-  broken by previous recency: deterministic and exact.
+* Misses are ordered by position (ascending, i.e. host-address order).
+* Recency is a stamp per hot slot.  A call that reads the hot cache (a hit or a
+  miss) takes the stamp ``c = hot_clock[s] + 1`` (int32, wrapping), stores it in
+  ``hot_clock[s]`` and in ``hot_stamp[s, b]`` of every slot it hits or fills.
+  Victims: among the slots whose stamp differs from ``c`` once this call's hits
+  are stamped (hits of this call are protected), the ``n_fill`` with the largest
+  age ``(c - stamp) mod 2**32``, ties to the lower slot; the i-th distinct miss
+  takes the i-th victim in slot order.  Misses beyond the available victims go,
+  in the same order, to ``staging_rows[n]`` and do not enter the hot cache.
+  Recency therefore has call granularity: deterministic and exact.  Any int32 is
+  a valid stamp or clock (a wrapped or corrupt one only ages a slot), so neither
+  table is ever used as an index and neither needs a check.
 * Output ``locations[n, j, i]`` is a device row such that
   ``device_rows[locations] == original row selections[n, j, i]`` (eq. 12)
   once the gather of the returned miss list completed; -1 for padding.
 
-Bounds safety.  Every index read from the four state tables is range-checked
+Bounds safety.  Every index read from the three index tables is range-checked
 before it is used; an entry out of range degrades to "empty" (the row is
 fetched from host, which holds every row the hot cache or an optional page
 could hold) and is counted in ``counters[n, COUNTER_REPAIRS]``.  Nothing is
@@ -36,12 +39,8 @@ row with slot s, B hot slots, P positions and R device rows:
 
 * ``slot_ids[n]`` outside ``[-1, S)``: a padding row, one repair.
 * ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1), by calls
-  with a hot hit or a miss (an all-direct call reads no hot-cache state; a bad entry
-  can never make a hit, since a hit needs ``hot_pos[s, v]`` to equal a row in ``[0, P)``).
-* ``lru_order[s]`` not a permutation of ``0..B-1`` (an entry outside ``[0, B)``, or
-  one repeating a slot named earlier): the call uses the identity order instead
-  (recency is forgotten, contents stay).  Counted once per such entry.  The order
-  is read, checked and rewritten only by calls with a hot hit or a miss.
+  with a miss (they read the whole row to choose victims; a bad entry can never make
+  a hit, since a hit needs ``hot_pos[s, v]`` to equal a row in ``[0, P)``).
 * ``page_table[s, p]`` outside ``{-1} ∪ [0, R - page_size]``: the page is
   treated as not ready in this call (the table is only read here; its owner
   republishes it).  Counted once per selection that reads it.
@@ -70,7 +69,8 @@ def resolve_reference(
     page_size: int,
     hot_pos: torch.Tensor,  # [S, B] int32 row held by each hot slot, -1 = empty (updated)
     hot_rows: torch.Tensor,  # [S, B] int32 device row of each hot slot
-    lru_order: torch.Tensor,  # [S, B] int32 hot slots, least recent first (updated)
+    hot_stamp: torch.Tensor,  # [S, B] int32 stamp of each hot slot's last use (updated)
+    hot_clock: torch.Tensor,  # [S] int32 stamp of the slot's last hot-cache call (updated)
     hot_slot_of: torch.Tensor,  # [S, P] int32 row -> hot slot, -1 = absent (updated)
     staging_rows: torch.Tensor,  # [N, C] int32 device rows for overflow misses
     host_base: torch.Tensor,  # [S] int64 host row of each slot's row 0
@@ -103,15 +103,6 @@ def resolve_reference(
         if not 0 <= slot < n_slots:  # padding row
             counters[n, COUNTER_REPAIRS] = int(slot != -1)
             continue
-        # 0. the slot's hot-cache tables: out-of-range entries degrade to empty, repaired
-        #    in 3 by calls that read them (a hit or a miss)
-        order = lru_order[slot].long()
-        lru_bad = (order < 0) | (order >= budget)
-        in_range = order[~lru_bad]
-        repeats = in_range.numel() - torch.unique(in_range).numel()
-        hp_bad = (hot_pos[slot] < -1) | (hot_pos[slot] >= max_pos)
-        repairs = 0
-
         sel = selections[n].reshape(-1).long()  # [K*k]
         valid = (sel >= 0) & (sel < max_pos)
         pos = torch.where(valid, sel, 0)
@@ -132,31 +123,37 @@ def resolve_reference(
         nondirect = valid & ~direct
         hot = nondirect & v_in & (held == pos)
         hso_bad = nondirect & (v != -1) & ~hot
-        repairs += int(pt_bad.sum()) + int(hso_bad.sum())
+        repairs = int(pt_bad.sum()) + int(hso_bad.sum())
         loc[hot] = hot_rows[slot, v[hot]].long()
-        touched = torch.zeros(budget, dtype=torch.bool, device=dev)
-        touched[v[hot]] = True
-
-        # 3. distinct misses, ascending position, take untouched LRU victims.  lru_order is
-        #    read (checked, and rewritten) only by a call with hits or misses; an order
-        #    that is not a permutation of the slots is replaced by the identity
         host = nondirect & ~hot
-        uses_lru = bool(hot.any()) or bool(host.any())
-        if uses_lru:
-            repairs += int(hp_bad.sum()) + int(lru_bad.sum()) + repeats
-            hot_pos[slot, hp_bad] = -1
-            if bool(lru_bad.any()) or repeats:
-                order = arange_b.clone()
+        stamp = None
+        if bool(hot.any()) or bool(host.any()):  # the call reads the hot cache: new stamp
+            stamp = _wrap32(int(hot_clock[slot]) + 1)
+            hot_clock[slot] = stamp
+            hot_stamp[slot, v[hot]] = stamp
+
+        # 3. distinct misses, ascending position, take the oldest unprotected slots (in
+        #    slot order); a call with a miss empties out-of-range hot_pos entries
         hot_slot_of[slot, pos[host & (v != -1)]] = -1
         missing = torch.unique(pos[host])  # sorted ascending
-        victims = order[~touched[order]]
-        n_hot_fill = min(missing.numel(), victims.numel())
-        n_stage = missing.numel() - n_hot_fill
+        n_miss = missing.numel()
+        if n_miss:
+            hp_bad = (hot_pos[slot] < -1) | (hot_pos[slot] >= max_pos)
+            repairs += int(hp_bad.sum())
+            hot_pos[slot, hp_bad] = -1
+            free = hot_stamp[slot] != stamp
+            age = (stamp - hot_stamp[slot].long()) & 0xFFFFFFFF
+            oldest = arange_b[free][torch.sort(age[free], descending=True, stable=True).indices]
+            n_hot_fill = min(n_miss, oldest.numel())
+            fill_slots = torch.sort(oldest[:n_hot_fill]).values
+        else:
+            n_hot_fill = 0
+            fill_slots = arange_b[:0]
+        n_stage = n_miss - n_hot_fill
         if n_stage > staging_rows.shape[1]:
             raise ValueError(
                 f"batch row {n}: {n_stage} overflow misses but staging_rows has "
                 f"{staging_rows.shape[1]} columns; need >= K*k - B")
-        fill_slots = victims[:n_hot_fill]
         fill_pos = missing[:n_hot_fill]
         old_pos = hot_pos[slot, fill_slots].long()
         linked = old_pos >= 0
@@ -164,16 +161,14 @@ def resolve_reference(
         hot_slot_of[slot, old_pos[linked]] = -1
         hot_pos[slot, fill_slots] = fill_pos.to(hot_pos.dtype)
         hot_slot_of[slot, fill_pos] = fill_slots.to(hot_slot_of.dtype)
-        touched[fill_slots] = True
+        if n_hot_fill:
+            hot_stamp[slot, fill_slots] = stamp
         dst = torch.cat([hot_rows[slot, fill_slots].long(),
                          staging_rows[n, :n_stage].long()])
-        if uses_lru:
-            lru_order[slot] = torch.cat([order[~touched[order]], order[touched[order]]]).to(lru_order.dtype)
 
         # every selection of a missing row gets that row's location
         idx = torch.searchsorted(missing, pos[host])
         loc[host] = dst[idx]
-        n_miss = missing.numel()
         miss_src[n, :n_miss] = int(host_base[slot]) + missing
         miss_dst[n, :n_miss] = dst.to(torch.int32)
         miss_count[n] = n_miss
@@ -184,6 +179,11 @@ def resolve_reference(
         counters[n, COUNTER_REPAIRS] = repairs
         locations[n] = loc.view(n_queries, top_k).to(locations.dtype)
     return locations, miss_src, miss_dst, miss_count, counters
+
+
+def _wrap32(x: int) -> int:
+    """x as a two's-complement int32."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 def gather_reference(

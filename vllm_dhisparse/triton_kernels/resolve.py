@@ -1,44 +1,37 @@
-"""Fused resolver: direct map -> hot cache (exact LRU) -> miss list -> locations.
+"""Fused resolver: direct map -> hot cache (LRU by call stamps) -> miss list -> locations.
 
 One launch, one program (CTA) per batch row, as in SGLang's
 ``load_cache_to_device_buffer_kernel``.  Semantics, outputs and in-place state
 updates are bit-identical to ``reference.resolve_reference`` (the spec).
 
-No whole-block sort and no pass over the hot cache unless it is needed.  Phases of one
-program (batch row n, request slot s), separated by CTA barriers; the passes
-after phase 1 run only when their counts are non-zero:
+No whole-block sort and no pass over the hot cache unless a row is missing.  Recency
+is a stamp per hot slot (the spec's ``hot_stamp`` / ``hot_clock``): a hit costs one
+store, and only a call with a miss walks the slot's B stamps to choose victims.
+Phases of one program (batch row n, request slot s), separated by CTA barriers; the
+passes after phase 1 run only when their counts are non-zero:
 
-  0. the slot's lru_order and hot_pos rows are checked only by calls with a hit or
-     a miss (known after phase 1's reduction), so an all-direct call reads no
-     hot-cache row; when B fits one block the two rows may be loaded while phase 1
-     waits on its own loads (_EARLY_STATE).  Out-of-range hot_pos entries are
-     emptied in 1b.  lru_order must be a permutation: every in-range entry marks the
-     slot it names in scratch (random stores, no dependent reads), and phase 3 (the
-     only reader of lru_order) counts the unmarked slots with coalesced reads,
-     walking the identity order when there is one.
   1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
      -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
      -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
-  1b. after a barrier (every lookup has read the entry state): hits mark their
-     slot in place with hot_pos[slot] = -2 - pos (a plain store when the whole
-     hot cache is one block, phase 3 then counts the marks; else ``atomic_xchg``,
-     whose old value counts the distinct touched slots); misses claim their row
-     with ``atomic_min(hot_slot_of[pos], CLAIM + j)`` after resetting an entry
-     below -1.  All direct -> done (no LRU change, no miss).
+  1b. after a barrier (every lookup has read the entry state): hits store the call's
+     stamp c = hot_clock + 1 in their slot (duplicates store the same value); misses
+     claim their row with ``atomic_min(hot_slot_of[pos], CLAIM + j)`` after resetting
+     an entry below -1.  All direct -> done (no stamp, no miss).
   2. (misses) per host selection j: owner = the claim left is j's own; the
      owners' positions (the distinct misses) are compacted into mpos by a
      running cumsum, sorted ascending (the spec's host-address order) with a
      sort of 256, 1024, 2048 or next_pow2(K*k) keys, whichever is the smallest
      that holds them, and each rank r records its owner j (read back from the
      claim), writes miss_src[r] and replaces the claim by the rank code -2 - r.
-  3. (hits or misses) one pass over lru_order: touched = hot_pos < -1;
-     a running cumsum of untouched slots gives the i-th untouched slot (victim
-     of rank i < n_fill) and the stable-partition position of every slot.
-     Hits get their hot_pos back, fills unlink their old row (where it points
-     back), take the new one (hot_pos / hot_slot_of), write miss_dst[r] =
-     hot_rows[victim] and the owner's location; overflow ranks take staging
-     rows.  When B fits one block the new order is written in place after a
-     barrier, else through scratch and copied back.
+  3. (misses) victims: one pass over the slot's stamps and hot_pos counts the
+     unprotected slots (stamp != c), their largest age and the bad hot_pos entries;
+     when fewer victims are needed than there are, a radix select (a 256-bin
+     histogram per byte of the largest age, from the top) finds the threshold age;
+     a last pass takes the slots above it plus the first ties in slot order, the
+     i-th in slot order for miss rank i (a running cumsum): fills unlink their old
+     row (where it points back), take the new one (hot_pos / hot_slot_of / stamp),
+     write miss_dst[r] = hot_rows[victim] and the owner's location; bad hot_pos
+     entries are emptied.  Overflow ranks take staging rows.
   4. only when a missing row was selected more than once (host selections >
      distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
      the filled slot, else the rank code of a staged row;
@@ -47,10 +40,10 @@ after phase 1 run only when their counts are non-zero:
 
 Requests in a batch must have distinct slots (the programs update per-slot state
 without synchronisation); slot -1 is a padding row.  Bounds: every index read
-from page_table, hot_slot_of, hot_pos and lru_order is range-checked as the
-reference specifies (out-of-range entries degrade to empty and are counted in
-column 4 of the counters; an lru_order that is not a permutation is replaced by
-the identity before phase 3 walks it); selections outside [0, P) are padding.
+from page_table, hot_slot_of and hot_pos is range-checked as the reference
+specifies (out-of-range entries degrade to empty and are counted in column 4 of
+the counters); stamps and clocks are never indices; selections outside [0, P)
+are padding.
 """
 from __future__ import annotations
 
@@ -69,7 +62,7 @@ _INT32_MAX = 2**31 - 1
 _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
 _BLOCK_B = 1024  # hot slots per chunk in phase 3 when B does not fit one block
-_ONE_BLOCK_B = 4096  # largest B handled as one block (in-place LRU write)
+_ONE_BLOCK_B = 4096  # largest B walked as one block in phase 3
 _NUM_WARPS = 16  # at least; more for a wide miss sort (_num_warps).  16 beat 8 in 7 of
 # the 9 SGLang cells (benchmarks/NOTES.md, v3): more loads in flight per request
 # more programs than SMs (a second wave otherwise): chunks small enough for two CTAs
@@ -80,10 +73,6 @@ _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused
 # measured up to 2048, single-query k=2048; wider miss lists keep the gather's grid)
 _COPY_ELEMS = 4096  # words in flight per step of the fused copy
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
-_MARK_STORE = True  # in-place LRU modes: hits mark their slot with a store (no atomic)
-_MAX_BUDGET = 2**15 - 1  # B: bad-entry counts share an int32 in 16-bit fields
-_EARLY_STATE = True  # LRU_MODE 1: load the slot's lru_order / hot_pos rows before phase 1's
-# lookups return (hides their latency on hit / miss calls; the check stays conditional)
 _MANY_MAXNREG = 0  # register cap of the many-programs path (0: the compiler's choice)
 
 
@@ -130,58 +119,6 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 
 @triton.jit
-def _clear_marks(order_ptr, B, BLOCK_B: tl.constexpr, N_CHUNKS: tl.constexpr):
-    """Zeroes the B coverage marks in scratch (coalesced stores)."""
-    offs = tl.arange(0, BLOCK_B)
-    for c in tl.static_range(N_CHUNKS):
-        b = c * BLOCK_B + offs
-        tl.store(order_ptr + b, tl.zeros([BLOCK_B], tl.int32), mask=b < B)
-
-
-@triton.jit
-def _check_state(lru_row, hot_pos_row, order_ptr, B, max_pos, BLOCK_B: tl.constexpr,
-                 N_CHUNKS: tl.constexpr):
-    """Out-of-range hot_pos entries of the slot (returned), and a coverage mark at every
-    slot its lru_order names (the order is a permutation iff no slot is left unmarked:
-    _unnamed_slots).  Unrolled: every chunk's loads are in flight together."""
-    offs = tl.arange(0, BLOCK_B)
-    acc = tl.zeros([BLOCK_B], tl.int32)
-    for c in tl.static_range(N_CHUNKS):
-        b = c * BLOCK_B + offs
-        mb = b < B
-        order = tl.load(lru_row + b, mask=mb, other=-1)
-        hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
-        tl.store(order_ptr + order, tl.full([BLOCK_B], 1, tl.int32),
-                 mask=mb & (order >= 0) & (order < B))
-        acc += (mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32)
-    return tl.sum(acc)
-
-
-@triton.jit
-def _unnamed_slots(order_ptr, B, BLOCK_B: tl.constexpr, N_CHUNKS: tl.constexpr):
-    """Slots without a coverage mark: the out-of-range entries of lru_order plus its
-    repeats (B entries name B - unnamed distinct slots), 0 iff it is a permutation.
-    Coalesced reads only (the marks sit at the slots' own indices)."""
-    offs = tl.arange(0, BLOCK_B)
-    acc = tl.zeros([BLOCK_B], tl.int32)
-    for c in tl.static_range(N_CHUNKS):
-        b = c * BLOCK_B + offs
-        named = tl.load(order_ptr + b, mask=b < B, other=1)
-        acc += (named == 0).to(tl.int32)
-    return tl.sum(acc)
-
-
-@triton.jit
-def _empty_bad_slots(hot_pos_row, B, max_pos, BLOCK_B: tl.constexpr):
-    """hot_pos entries outside [-1, P) become -1 (empty)."""
-    offs = tl.arange(0, BLOCK_B)
-    for b0 in range(0, B, BLOCK_B):
-        b = b0 + offs
-        hp = tl.load(hot_pos_row + b, mask=b < B, other=-1)
-        tl.store(hot_pos_row + b, tl.zeros_like(hp) - 1, mask=(b < B) & ((hp < -1) | (hp >= max_pos)))
-
-
-@triton.jit
 def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row, hot_rows_row,
             max_pos, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
     """Phase 1 lookups of selections ``j`` on the entry state; writes no state table,
@@ -220,55 +157,54 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_ro
 
 
 @triton.jit
-def _mark_and_claim(pos, v, hot, host, j, hot_pos_row, hso_row, CLAIM: tl.constexpr,
-                    MARK_STORE: tl.constexpr):
-    """Phase 1 writes: hits mark their slot (hot_pos = -2 - pos), misses claim their row
-    (hot_slot_of = CLAIM + j, the smallest j left wins).  An entry that was below -1 on
-    entry (corrupt) is reset first; a reset may also clear another lane's claim, but
-    every lane that resets claims after it, so the row still ends with one owner.  Returns the number of slots this
-    chunk touched first (atomic marking only; 0 with MARK_STORE)."""
+def _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, c, CLAIM: tl.constexpr):
+    """Phase 1 writes: hits stamp their slot with the call's stamp c (duplicates store
+    the same value, so a plain store is race-free), misses claim their row
+    (hot_slot_of = CLAIM + j, the smallest j left wins).  An entry that was below -1
+    on entry (corrupt) is reset first; a reset may also clear another lane's claim,
+    but every lane that resets claims after it, so the row still ends with one owner."""
+    tl.store(stamp_row + v, tl.zeros_like(v) + c, mask=hot)
     # relaxed, CTA scope: only this program touches this slot's rows, and the
     # barriers order the phases (acq_rel serialised each thread's atomics)
-    if MARK_STORE:
-        # duplicates of a position write the same value, so a store is race-free;
-        # phase 3 sees every slot at once and counts the marks itself
-        tl.store(hot_pos_row + v, -2 - pos, mask=hot)
-        first = 0
-    else:
-        old = tl.atomic_xchg(hot_pos_row + v, -2 - pos, mask=hot, sem="relaxed", scope="cta")
-        first = tl.sum((hot & (old >= 0)).to(tl.int32))
     tl.atomic_xchg(hso_row + pos, tl.zeros_like(pos) - 1, mask=host & (v < -1),
                    sem="relaxed", scope="cta")
     tl.atomic_min(hso_row + pos, CLAIM + j, mask=host, sem="relaxed", scope="cta")
-    return first
 
 
 @triton.jit
-def _lru_block(slot_b, hp, b, mb, run, n_fill, n_left, mpos_ptr, mj_ptr, hot_pos_row,
-               hot_rows_row, hso_row, miss_dst_row, loc_row, max_pos):
-    """Phase 3 on one block of LRU positions ``b`` (slots ``slot_b``, their hot_pos
-    ``hp``): the i-th untouched slot is the victim of miss rank i < n_fill, hits get
-    their hot_pos back.  Returns every slot's place in the new order and the number
-    of untouched slots in the block (``run`` counts those before it)."""
-    t = hp < -1  # hit this call
-    u = (mb & ~t).to(tl.int32)
-    r = run + tl.cumsum(u, 0) - u  # untouched strictly before b
-    fill = mb & ~t & (r < n_fill)
-    left = mb & ~t & (r >= n_fill)
-    new_at = tl.where(left, r - n_fill, n_left + b - tl.maximum(r - n_fill, 0))
-    held = fill & (hp >= 0) & (hp < max_pos)
-    # the old row is unlinked only where it points back at this slot: a stale entry
-    # may name a row that another victim takes in this call
-    link = tl.load(hso_row + hp, mask=held, other=-1)
-    new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
-    owner = tl.load(mj_ptr + r, mask=fill, other=0)
-    victim_row = tl.load(hot_rows_row + slot_b, mask=fill, other=-1)
-    tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == slot_b))
-    tl.store(hot_pos_row + slot_b, tl.where(fill, new_pos, -2 - hp), mask=fill | (mb & t))
-    tl.store(hso_row + new_pos, slot_b, mask=fill)
-    tl.store(miss_dst_row + r, victim_row, mask=fill)
-    tl.store(loc_row + owner, victim_row, mask=fill)  # the selection that owns rank r
-    return new_at, tl.sum(u, 0)
+def _age(stamp, c):
+    """(c - stamp) mod 2**32 as int64: how many stamps ago the slot was last used."""
+    return (c - stamp).to(tl.int64) & 0xFFFFFFFF
+
+
+@triton.jit
+def _victim_threshold(stamp_row, B, c, n_fill, max_age, BLOCK_B: tl.constexpr):
+    """Radix select over the unprotected slots' ages, a byte per pass from the top
+    byte of ``max_age``: returns (T, ties) such that the victims are the slots with
+    age > T plus the first ``ties`` with age == T in slot order (n_fill in all)."""
+    offs = tl.arange(0, BLOCK_B)
+    bins = tl.arange(0, 256)
+    n_pass = 1 + (max_age >= 256).to(tl.int32) + (max_age >= 65536).to(tl.int32) \
+        + (max_age >= 16777216).to(tl.int32)
+    need = n_fill
+    prefix = max_age * 0  # high bytes of T decided so far
+    for p in range(0, n_pass):
+        shift = ((n_pass - 1 - p) * 8).to(tl.int64)
+        hist = tl.zeros([256], tl.int32)
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + offs
+            mb = b < B
+            st = tl.load(stamp_row + b, mask=mb, other=0)
+            age = _age(st, c)
+            cand = mb & (st != c) & ((age >> (shift + 8)) == (prefix >> (shift + 8)))
+            # inverted digit: the oldest slots fall in the lowest bins
+            dig = (255 - ((age >> shift) & 255)).to(tl.int32)
+            hist += tl.histogram(dig, 256, mask=cand)
+        cum = tl.cumsum(hist, 0)
+        d = tl.sum((cum < need).to(tl.int32))  # the bin holding the need-th oldest
+        need -= tl.sum(tl.where(bins < d, hist, 0))
+        prefix = prefix | ((255 - d).to(tl.int64) << shift)
+    return prefix, need
 
 
 @triton.jit
@@ -278,7 +214,8 @@ def _resolve_kernel(
     page_table_ptr, page_table_stride, max_pages, pt_last,  # [S, max_pages] int32, R - PAGE_SIZE
     hot_pos_ptr, hot_pos_stride,  # [S, B] int32 (updated)
     hot_rows_ptr, hot_rows_stride,  # [S, B] int32
-    lru_ptr, lru_stride,  # [S, B] int32 (updated)
+    stamp_ptr, stamp_stride,  # [S, B] int32 (updated)
+    clock_ptr,  # [S] int32 (updated)
     hot_slot_of_ptr, hot_slot_of_stride, max_pos,  # [S, P] int32 (updated)
     staging_ptr, staging_stride,  # [N, C] int32
     host_base_ptr,  # [S] int64
@@ -287,16 +224,12 @@ def _resolve_kernel(
     miss_dst_ptr,  # [N, W] int32 out
     miss_count_ptr,  # [N] int32 out
     counters_ptr,  # [N, 5] int32 out
-    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX + B]: key | miss pos | owner | order
+    scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX]: key | miss pos | owner
     copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
-    N_CHUNKS_B: tl.constexpr,  # ceil(B / BLOCK_B)
     ONE_CHUNK: tl.constexpr,  # W <= BLOCK_W: phase 1 keeps its lookups in registers
-    LRU_MODE: tl.constexpr,  # 1: B in one block, in place; 0: chunks through scratch
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
-    MARK_STORE: tl.constexpr,  # LRU_MODE 1 only: hits mark with a store, phase 3 counts
-    EARLY_STATE: tl.constexpr,  # LRU_MODE 1 only: hot-cache rows loaded before the lookups
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
 ):
@@ -308,7 +241,6 @@ def _resolve_kernel(
     key_ptr = scratch_ptr + n * scratch_stride  # [W] host: pos, hit: -2 - pos, else -1
     mpos_ptr = key_ptr + W  # [SORT_MAX] position of miss rank r
     mj_ptr = mpos_ptr + SORT_MAX  # [W] the selection j that owns miss rank r
-    order_ptr = mj_ptr + W  # [B] permutation check, then the new lru order (LRU_MODE 0)
     sel_row = sel_ptr + n * sel_stride
     loc_row = loc_ptr + n * W
     miss_src_row = miss_src_ptr + n * W
@@ -317,18 +249,11 @@ def _resolve_kernel(
     pt_row = page_table_ptr + slot * page_table_stride
     hot_pos_row = hot_pos_ptr + slot * hot_pos_stride
     hot_rows_row = hot_rows_ptr + slot * hot_rows_stride
-    lru_row = lru_ptr + slot * lru_stride
+    stamp_row = stamp_ptr + slot * stamp_stride
     hso_row = hot_slot_of_ptr + slot * hot_slot_of_stride
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
-
-    # 0. (one block, _EARLY_STATE) the slot's hot-cache rows, loaded while phase 1
-    #    waits on its own loads; checked below only if the call reads the hot cache
-    if LRU_MODE == 1:
-        mb_all = real & (offs_b < B)
-        if EARLY_STATE:
-            lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
-            hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
+    c = tl.load(clock_ptr + slot, mask=real, other=0) + 1  # this call's stamp (wraps)
 
     # 1a. lookups on the entry state: direct -> hot -> host (no state table written yet)
     n_direct = 0
@@ -355,41 +280,12 @@ def _resolve_kernel(
             n_hot += n_hot_c
             n_host += n_host_c
             repairs += n_rep_c
-    # 0. entry state of the slot's hot cache, checked only when a hit or a miss will
-    #    read it (an all-direct call leaves it alone, as the reference does)
-    #    lru_order must be a permutation of the slots (phase 3 walks it): every entry
-    #    marks the slot it names in scratch, an unmarked slot means it is not (read
-    #    back coalesced in phase 3; cleared here first)
-    uses = (n_hot + n_host) > 0
-    n_hp_bad = 0
-    if LRU_MODE == 1:
-        mb_all = mb_all & uses
-        if not EARLY_STATE:
-            lru_all = tl.load(lru_row + offs_b, mask=mb_all, other=0)
-            hp_all = tl.load(hot_pos_row + offs_b, mask=mb_all, other=-1)
-        hp_bad_all = mb_all & ((hp_all < -1) | (hp_all >= max_pos))
-        tl.store(order_ptr + offs_b, tl.zeros_like(offs_b), mask=mb_all)
-        if uses:
-            n_hp_bad = tl.sum(hp_bad_all.to(tl.int32))
-    else:
-        if uses:
-            _clear_marks(order_ptr, B, BLOCK_B, N_CHUNKS_B)
-            tl.debug_barrier()  # cleared before any lane marks
-            n_hp_bad = _check_state(lru_row, hot_pos_row, order_ptr, B, max_pos, BLOCK_B,
-                                    N_CHUNKS_B)
-    repairs += n_hp_bad
+    tl.store(clock_ptr + slot, c, mask=real & (n_hot + n_host > 0))
     tl.debug_barrier()  # every lookup read the entry state before any lane writes it
 
-    # 1b. repairs of the slot's tables, then hits mark their slot, misses claim their row
-    if LRU_MODE == 1:
-        tl.store(hot_pos_row + offs_b, tl.zeros_like(hp_all) - 1, mask=hp_bad_all)
-    else:
-        if n_hp_bad > 0:
-            _empty_bad_slots(hot_pos_row, B, max_pos, BLOCK_B)
-            tl.debug_barrier()  # re-read hot_pos above: no mark may land before that read
-    n_touch = 0  # distinct hot slots hit (atomic marking only)
+    # 1b. hits stamp their slot, misses claim their row
     if ONE_CHUNK:
-        n_touch += _mark_and_claim(pos, v, hot, host, j, hot_pos_row, hso_row, CLAIM, MARK_STORE)
+        _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, c, CLAIM)
     else:
         for w0 in range(0, W, BLOCK_W):
             jc = w0 + offs_w
@@ -398,8 +294,7 @@ def _resolve_kernel(
             hostc = kc >= 0
             hotc = kc <= -2
             posc = tl.where(hostc, kc, tl.where(hotc, -2 - kc, 0))
-            n_touch += _mark_and_claim(posc, vc, hotc, hostc, jc, hot_pos_row, hso_row, CLAIM,
-                                       MARK_STORE)
+            _stamp_and_claim(posc, vc, hotc, hostc, jc, stamp_row, hso_row, c, CLAIM)
     tl.debug_barrier()
 
     # 2. distinct misses: owners are compacted, the few distinct positions sorted
@@ -434,63 +329,60 @@ def _resolve_kernel(
         tl.store(miss_dst_row + r, tl.full([BLOCK_W], -1, tl.int32), mask=mt)
     tl.debug_barrier()
 
-    # 3. victims (i-th untouched in LRU order <- i-th miss) + stable partition; each
-    #    filled rank's owner gets its location here, duplicates in phase 4
+    # 3. victims: the n_fill oldest unprotected slots, the i-th in slot order for miss
+    #    rank i; each filled rank's owner gets its location here, duplicates in phase 4
     n_fill = 0
-    if n_hot + n_miss > 0:  # n_hot > 0 iff a slot was touched
-        if LRU_MODE == 1:
-            # lru_order must be a permutation of the slots, else the identity is used:
-            # each in-range entry marks its slot (cleared in 1a), an unmarked slot is
-            # one the order does not name; hit marks are counted over the slots in
-            # place (order-free)
-            mb = offs_b < B
-            inr = mb & (lru_all >= 0) & (lru_all < B)
-            tl.store(order_ptr + lru_all, tl.full([BLOCK_B], 1, tl.int32), mask=inr)
-            tl.debug_barrier()
-            named = tl.load(order_ptr + offs_b, mask=mb, other=1)
-            hp_lin = tl.load(hot_pos_row + offs_b, mask=mb, other=-1)
-            hp = tl.load(hot_pos_row + lru_all, mask=inr, other=-1)
-            counts = tl.sum((mb & (named == 0)).to(tl.int32)
-                            + ((mb & (hp_lin < -1)).to(tl.int32) << 16))
-            n_bad_order = counts & 0xFFFF  # out-of-range entries plus repeats
-            repairs += n_bad_order
-            identity = n_bad_order > 0  # recency forgotten, contents kept
-            lru_all = tl.where(identity, offs_b, lru_all)
-            hp = tl.where(identity, hp_lin, hp)
-            n_untouched = B - n_touch
-            if MARK_STORE:  # every slot is in this block: count the marks here
-                n_untouched = B - (counts >> 16)
-            n_fill = tl.minimum(n_miss, n_untouched)
-            new_at, _ = _lru_block(lru_all, hp, offs_b, mb, 0, n_fill, n_untouched - n_fill,
-                                   mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, hso_row,
-                                   miss_dst_row, loc_row, max_pos)
-            tl.debug_barrier()  # every lru entry read before any is overwritten
-            tl.store(lru_row + new_at, lru_all, mask=mb)
-        else:
-            n_bad_order = _unnamed_slots(order_ptr, B, BLOCK_B, N_CHUNKS_B)
-            repairs += n_bad_order  # out-of-range entries plus repeats
-            identity = n_bad_order > 0  # not a permutation: identity order
-            tl.debug_barrier()  # every mark read before the new order is written there
-            n_untouched = B - n_touch
-            n_fill = tl.minimum(n_miss, n_untouched)
-            n_left = n_untouched - n_fill  # untouched after the fills: front of new order
-            run = 0
-            for b0 in range(0, B, BLOCK_B):
-                b = b0 + offs_b
-                mb = b < B
-                slot_b = tl.load(lru_row + b, mask=mb, other=0)
-                slot_b = tl.where(identity, b, slot_b)
-                hp = tl.load(hot_pos_row + slot_b, mask=mb, other=-1)
-                new_at, cnt = _lru_block(slot_b, hp, b, mb, run, n_fill, n_left,
-                                         mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, hso_row,
-                                         miss_dst_row, loc_row, max_pos)
-                tl.store(order_ptr + new_at, slot_b, mask=mb)
-                run += cnt
-            tl.debug_barrier()
-            for b0 in range(0, B, BLOCK_B):
-                b = b0 + offs_b
-                mb = b < B
-                tl.store(lru_row + b, tl.load(order_ptr + b, mask=mb), mask=mb)
+    if n_miss > 0:
+        n_free = 0  # slots not used by this call (stamp != c)
+        n_hp_bad = 0
+        max_age = tl.zeros([1], tl.int64).sum()
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + offs_b
+            mb = b < B
+            st = tl.load(stamp_row + b, mask=mb, other=0)
+            hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
+            free = mb & (st != c)
+            counts = tl.sum(free.to(tl.int32) + ((mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32) << 16))
+            n_free += counts & 0xFFFF
+            n_hp_bad += counts >> 16
+            max_age = tl.maximum(max_age, tl.max(tl.where(free, _age(st, c), 0)))
+        repairs += n_hp_bad
+        n_fill = tl.minimum(n_miss, n_free)
+        thresh = max_age * 0  # every unprotected slot is older than 0
+        ties = n_fill * 0
+        if n_fill < n_free:
+            thresh, ties = _victim_threshold(stamp_row, B, c, n_fill, max_age, BLOCK_B)
+        run_v = 0
+        run_t = 0
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + offs_b
+            mb = b < B
+            st = tl.load(stamp_row + b, mask=mb, other=0)
+            hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
+            free = mb & (st != c)
+            age = _age(st, c)
+            tie = (free & (age == thresh)).to(tl.int32)
+            t_rank = run_t + tl.cumsum(tie, 0) - tie
+            fill = free & ((age > thresh) | ((tie > 0) & (t_rank < ties)))
+            f = fill.to(tl.int32)
+            r = run_v + tl.cumsum(f, 0) - f  # miss rank of this victim
+            bad = mb & ((hp < -1) | (hp >= max_pos))
+            held = fill & ~bad & (hp >= 0)
+            # the old row is unlinked only where it points back at this slot: a stale
+            # entry may name a row that another victim takes in this call
+            link = tl.load(hso_row + hp, mask=held, other=-1)
+            new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
+            owner = tl.load(mj_ptr + r, mask=fill, other=0)
+            victim_row = tl.load(hot_rows_row + b, mask=fill, other=-1)
+            tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == b))
+            tl.store(hot_pos_row + b, tl.where(fill, new_pos, -1), mask=fill | bad)
+            tl.store(stamp_row + b, tl.zeros_like(st) + c, mask=fill)
+            tl.store(hso_row + new_pos, b, mask=fill)
+            tl.store(miss_dst_row + r, victim_row, mask=fill)
+            tl.store(loc_row + owner, victim_row, mask=fill)  # the selection that owns rank r
+            packed = tl.sum(f + (tie << 16))
+            run_v += packed & 0xFFFF
+            run_t += packed >> 16
         for r0 in range(n_fill, n_miss, BLOCK_W):  # overflow misses go to staging rows
             r = r0 + offs_w
             ms = r < n_miss
@@ -594,8 +486,8 @@ def fuses_copy(width: int, fused_copy=None) -> bool:
     return bool(fused_copy) if fused_copy is not None else width <= _FUSE_MAX_WIDTH
 
 
-def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_order,
-            hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
+def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_stamp,
+            hot_clock, hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
             fused_copy=None, *, num_device_rows=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
 
@@ -611,8 +503,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     launch and its latency dominate), else gathers with its wider grid.
 
     Returns ``(locations [N,K,k] i32, miss_src [N,K*k] i64, miss_dst [N,K*k] i32,
-    miss_count [N] i32, counters [N,5] i32)``; updates hot_pos, lru_order and
-    hot_slot_of of the slots in ``slot_ids`` in place.  ``slot_ids`` must be
+    miss_count [N] i32, counters [N,5] i32)``; updates hot_pos, hot_stamp, hot_clock
+    and hot_slot_of of the slots in ``slot_ids`` in place.  ``slot_ids`` must be
     distinct.  ``staging_rows`` may have more than N rows (an arena sized for the
     largest batch); ``staging_rows.shape[1] >= K*k - B`` (the worst case) is
     required up front because the kernel cannot raise.
@@ -639,7 +531,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     _check("page_table", page_table, torch.int32, (n_slots, None), dev)
     _check("hot_pos", hot_pos, torch.int32, (n_slots, budget), dev)
     _check("hot_rows", hot_rows, torch.int32, (n_slots, budget), dev)
-    _check("lru_order", lru_order, torch.int32, (n_slots, budget), dev)
+    _check("hot_stamp", hot_stamp, torch.int32, (n_slots, budget), dev)
+    _check("hot_clock", hot_clock, torch.int32, (n_slots,), dev)
     _check("hot_slot_of", hot_slot_of, torch.int32, (n_slots, None), dev)
     _check("staging_rows", staging_rows, torch.int32, (None, None), dev)
     if staging_rows.shape[0] < n_batch:
@@ -650,8 +543,6 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
         raise ValueError(f"hot_slot_of.shape[1] must be < {_INT32_MAX}, got {hot_slot_of.shape[1]}")
     if width >= _MAX_WIDTH:
         raise ValueError(f"selections: K*k = {width} must be < {_MAX_WIDTH}")
-    if budget > _MAX_BUDGET:
-        raise ValueError(f"hot_pos: B = {budget} hot slots per request must be <= {_MAX_BUDGET}")
     if num_device_rows is None:
         if device_rows is None:
             raise ValueError("num_device_rows (rows of the device pool, the bound of page_table "
@@ -686,18 +577,16 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
     if n_batch == 0:
         return locations, miss_src, miss_dst, miss_count, counters
     # one wave (N <= SMs): whole-B block, fewest dependent steps; more programs than
-    # SMs: small chunks, so that two CTAs fit an SM (the one-block pass takes 128
-    # registers at 16 warps: one CTA per SM, a second wave)
+    # SMs: small chunks, so that two CTAs fit an SM
     one_wave = n_batch <= _sm_count(dev)
     block_w = min(_BLOCK_W if one_wave else _MANY_BLOCK_W, triton.next_power_of_2(max(width, 1)))
     b_pad = triton.next_power_of_2(max(budget, 1))
     if one_wave and b_pad <= _ONE_BLOCK_B:
-        lru_mode, block_b = 1, b_pad
+        block_b = b_pad
     else:
-        lru_mode, block_b = 0, min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
+        block_b = min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
     sort_max = max(16, triton.next_power_of_2(max(width, 1)))
-    scratch = torch.empty(n_batch, 2 * width + sort_max + budget,
-                          dtype=torch.int32, device=dev)
+    scratch = torch.empty(n_batch, 2 * width + sort_max, dtype=torch.int32, device=dev)
     if fused:
         copy_src, copy_dst, row_elems = views
         src_stride, dst_stride = copy_src.stride(0), copy_dst.stride(0)
@@ -716,7 +605,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             max(int(num_device_rows) - int(page_size), -1),
             hot_pos, hot_pos.stride(0),
             hot_rows, hot_rows.stride(0),
-            lru_order, lru_order.stride(0),
+            hot_stamp, hot_stamp.stride(0),
+            hot_clock,
             hot_slot_of, hot_slot_of.stride(0), hot_slot_of.shape[1],
             staging_rows, staging_rows.stride(0),
             host_base,
@@ -727,12 +617,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, lru_
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
             BLOCK_B=block_b,
-            N_CHUNKS_B=-(-budget // block_b),
             ONE_CHUNK=width <= block_w,
-            LRU_MODE=lru_mode,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
-            MARK_STORE=lru_mode > 0 and _MARK_STORE,
-            EARLY_STATE=lru_mode > 0 and _EARLY_STATE,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
             num_warps=warps,
