@@ -253,7 +253,7 @@ def _resolve_kernel(
     hso_row = hot_slot_of_ptr + slot * hot_slot_of_stride
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
-    c = tl.load(clock_ptr + slot, mask=real, other=0) + 1  # this call's stamp (wraps)
+    now = tl.load(clock_ptr + slot, mask=real, other=0) + 1  # this call's stamp (wraps)
 
     # 1a. lookups on the entry state: direct -> hot -> host (no state table written yet)
     n_direct = 0
@@ -280,12 +280,12 @@ def _resolve_kernel(
             n_hot += n_hot_c
             n_host += n_host_c
             repairs += n_rep_c
-    tl.store(clock_ptr + slot, c, mask=real & (n_hot + n_host > 0))
+    tl.store(clock_ptr + slot, now, mask=real & (n_hot + n_host > 0))
     tl.debug_barrier()  # every lookup read the entry state before any lane writes it
 
     # 1b. hits stamp their slot, misses claim their row
     if ONE_CHUNK:
-        _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, c, CLAIM)
+        _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, now, CLAIM)
     else:
         for w0 in range(0, W, BLOCK_W):
             jc = w0 + offs_w
@@ -294,7 +294,7 @@ def _resolve_kernel(
             hostc = kc >= 0
             hotc = kc <= -2
             posc = tl.where(hostc, kc, tl.where(hotc, -2 - kc, 0))
-            _stamp_and_claim(posc, vc, hotc, hostc, jc, stamp_row, hso_row, c, CLAIM)
+            _stamp_and_claim(posc, vc, hotc, hostc, jc, stamp_row, hso_row, now, CLAIM)
     tl.debug_barrier()
 
     # 2. distinct misses: owners are compacted, the few distinct positions sorted
@@ -333,7 +333,7 @@ def _resolve_kernel(
     #    rank i; each filled rank's owner gets its location here, duplicates in phase 4
     n_fill = 0
     if n_miss > 0:
-        n_free = 0  # slots not used by this call (stamp != c)
+        n_free = 0  # slots not used by this call (stamp != now)
         n_hp_bad = 0
         max_age = tl.zeros([1], tl.int64).sum()
         for b0 in range(0, B, BLOCK_B):
@@ -341,17 +341,17 @@ def _resolve_kernel(
             mb = b < B
             st = tl.load(stamp_row + b, mask=mb, other=0)
             hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
-            free = mb & (st != c)
+            free = mb & (st != now)
             counts = tl.sum(free.to(tl.int32) + ((mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32) << 16))
             n_free += counts & 0xFFFF
             n_hp_bad += counts >> 16
-            max_age = tl.maximum(max_age, tl.max(tl.where(free, _age(st, c), 0)))
+            max_age = tl.maximum(max_age, tl.max(tl.where(free, _age(st, now), 0)))
         repairs += n_hp_bad
         n_fill = tl.minimum(n_miss, n_free)
         thresh = max_age * 0  # every unprotected slot is older than 0
         ties = n_fill * 0
         if n_fill < n_free:
-            thresh, ties = _victim_threshold(stamp_row, B, c, n_fill, max_age, BLOCK_B)
+            thresh, ties = _victim_threshold(stamp_row, B, now, n_fill, max_age, BLOCK_B)
         run_v = 0
         run_t = 0
         for b0 in range(0, B, BLOCK_B):
@@ -359,8 +359,8 @@ def _resolve_kernel(
             mb = b < B
             st = tl.load(stamp_row + b, mask=mb, other=0)
             hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
-            free = mb & (st != c)
-            age = _age(st, c)
+            free = mb & (st != now)
+            age = _age(st, now)
             tie = (free & (age == thresh)).to(tl.int32)
             t_rank = run_t + tl.cumsum(tie, 0) - tie
             fill = free & ((age > thresh) | ((tie > 0) & (t_rank < ties)))
@@ -376,7 +376,7 @@ def _resolve_kernel(
             victim_row = tl.load(hot_rows_row + b, mask=fill, other=-1)
             tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == b))
             tl.store(hot_pos_row + b, tl.where(fill, new_pos, -1), mask=fill | bad)
-            tl.store(stamp_row + b, tl.zeros_like(st) + c, mask=fill)
+            tl.store(stamp_row + b, tl.zeros_like(st) + now, mask=fill)
             tl.store(hso_row + new_pos, b, mask=fill)
             tl.store(miss_dst_row + r, victim_row, mask=fill)
             tl.store(loc_row + owner, victim_row, mask=fill)  # the selection that owns rank r
