@@ -23,15 +23,16 @@ passes after phase 1 run only when their counts are non-zero:
      sort of 256, 1024, 2048 or next_pow2(K*k) keys, whichever is the smallest
      that holds them, and each rank r records its owner j (read back from the
      claim), writes miss_src[r] and replaces the claim by the rank code -2 - r.
-  3. (misses) victims: one pass over the slot's stamps and hot_pos counts the
-     unprotected slots (stamp != c), their largest age and the bad hot_pos entries;
-     when fewer victims are needed than there are, a radix select (a 256-bin
-     histogram per byte of the largest age, from the top) finds the threshold age;
-     a last pass takes the slots above it plus the first ties in slot order, the
-     i-th in slot order for miss rank i (a running cumsum): fills unlink their old
-     row (where it points back), take the new one (hot_pos / hot_slot_of / stamp),
-     write miss_dst[r] = hot_rows[victim] and the owner's location; bad hot_pos
-     entries are emptied.  Overflow ranks take staging rows.
+  3. (misses) victims: the slot's stamps and hot_pos (loaded once, during phase 2,
+     when B fits one block) give, in one reduction, the unprotected slots (stamp !=
+     c), their largest age and the bad hot_pos entries; when fewer victims are needed
+     than there are, a radix select (a 256-bin histogram per byte of the largest age,
+     from the top) finds the threshold age; the victims are the slots above it plus
+     the first ties in slot order, the i-th in slot order for miss rank i (one packed
+     cumsum): fills unlink their old row (where it points back), take the new one
+     (hot_pos / hot_slot_of / stamp), write miss_dst[r] = hot_rows[victim] and the
+     owner's location; bad hot_pos entries are emptied.  Overflow ranks take staging
+     rows.
   4. only when a missing row was selected more than once (host selections >
      distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
      the filled slot, else the rank code of a staged row;
@@ -178,33 +179,73 @@ def _age(stamp, c):
 
 
 @triton.jit
-def _victim_threshold(stamp_row, B, c, n_fill, max_age, BLOCK_B: tl.constexpr):
-    """Radix select over the unprotected slots' ages, a byte per pass from the top
-    byte of ``max_age``: returns (T, ties) such that the victims are the slots with
-    age > T plus the first ``ties`` with age == T in slot order (n_fill in all)."""
-    offs = tl.arange(0, BLOCK_B)
-    bins = tl.arange(0, 256)
-    n_pass = 1 + (max_age >= 256).to(tl.int32) + (max_age >= 65536).to(tl.int32) \
+def _sum_sum_max(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, tl.maximum(c0, c1)
+
+
+@triton.jit
+def _sum_sum(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _passes(max_age):
+    """Radix passes (a byte each) that cover the ages up to ``max_age``."""
+    return 1 + (max_age >= 256).to(tl.int32) + (max_age >= 65536).to(tl.int32) \
         + (max_age >= 16777216).to(tl.int32)
-    need = n_fill
-    prefix = max_age * 0  # high bytes of T decided so far
-    for p in range(0, n_pass):
-        shift = ((n_pass - 1 - p) * 8).to(tl.int64)
-        hist = tl.zeros([256], tl.int32)
-        for b0 in range(0, B, BLOCK_B):
-            b = b0 + offs
-            mb = b < B
-            st = tl.load(stamp_row + b, mask=mb, other=0)
-            age = _age(st, c)
-            cand = mb & (st != c) & ((age >> (shift + 8)) == (prefix >> (shift + 8)))
-            # inverted digit: the oldest slots fall in the lowest bins
-            dig = (255 - ((age >> shift) & 255)).to(tl.int32)
-            hist += tl.histogram(dig, 256, mask=cand)
-        cum = tl.cumsum(hist, 0)
-        d = tl.sum((cum < need).to(tl.int32))  # the bin holding the need-th oldest
-        need -= tl.sum(tl.where(bins < d, hist, 0))
-        prefix = prefix | ((255 - d).to(tl.int64) << shift)
-    return prefix, need
+
+
+@triton.jit
+def _age_histogram(age, free, prefix, shift):
+    """Histogram of byte ``shift`` of the ages of the unprotected slots whose higher
+    bytes equal ``prefix``'s, inverted so that the oldest fall in the lowest bins."""
+    cand = free & ((age >> (shift + 8)) == (prefix >> (shift + 8)))
+    dig = (255 - ((age >> shift) & 255)).to(tl.int32)
+    return tl.histogram(dig, 256, mask=cand)
+
+
+@triton.jit
+def _radix_step(hist, need, prefix, shift):
+    """One byte of the threshold age: the bin that holds the ``need``-th oldest slot.
+    Returns how many of that bin's slots are still needed and the threshold so far."""
+    cum = tl.cumsum(hist, 0)
+    below = cum < need  # the bins before it (cum is non-decreasing)
+    d, taken = tl.reduce((below.to(tl.int32), tl.where(below, hist, 0)), 0, _sum_sum)
+    return need - taken, prefix | ((255 - d).to(tl.int64) << shift)
+
+
+@triton.jit
+def _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t, mpos_ptr, mj_ptr,
+                  hot_pos_row, hot_rows_row, stamp_row, hso_row, miss_dst_row, loc_row):
+    """Phase 3 on the slots ``b`` (stamps ``st``, hot_pos ``hp``): victims are the
+    unprotected slots older than ``thresh`` plus the first ``ties`` at ``thresh`` (in
+    slot order, ``run_a`` / ``run_t`` of each before ``b``); the victim with r victims
+    before it takes miss rank r.  Empties bad hot_pos entries.  Returns this block's
+    count of older slots plus its ties << 16."""
+    free = mb & (st != now)
+    age = _age(st, now)
+    older = (free & (age > thresh)).to(tl.int32)
+    tie = (free & (age == thresh)).to(tl.int32)
+    packed = older + (tie << 16)
+    before = tl.cumsum(packed, 0) - packed
+    t_rank = run_t + (before >> 16)
+    fill = (older > 0) | ((tie > 0) & (t_rank < ties))
+    r = run_a + (before & 0xFFFF) + tl.minimum(t_rank, ties)  # miss rank of this victim
+    bad = mb & ((hp < -1) | (hp >= max_pos))
+    held = fill & ~bad & (hp >= 0)
+    # the old row is unlinked only where it points back at this slot: a stale entry
+    # may name a row that another victim takes in this call
+    link = tl.load(hso_row + hp, mask=held, other=-1)
+    new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
+    owner = tl.load(mj_ptr + r, mask=fill, other=0)
+    victim_row = tl.load(hot_rows_row + b, mask=fill, other=-1)
+    tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == b))
+    tl.store(hot_pos_row + b, tl.where(fill, new_pos, -1), mask=fill | bad)
+    tl.store(stamp_row + b, tl.zeros_like(st) + now, mask=fill)
+    tl.store(hso_row + new_pos, b, mask=fill)
+    tl.store(miss_dst_row + r, victim_row, mask=fill)
+    tl.store(loc_row + owner, victim_row, mask=fill)  # the selection that owns rank r
+    return tl.sum(packed)
 
 
 @triton.jit
@@ -229,6 +270,7 @@ def _resolve_kernel(
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # W <= BLOCK_W: phase 1 keeps its lookups in registers
+    ONE_B: tl.constexpr,  # B <= BLOCK_B: phase 3 keeps the slot's stamps in registers
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
@@ -300,8 +342,13 @@ def _resolve_kernel(
     # 2. distinct misses: owners are compacted, the few distinct positions sorted
     #    (ascending = host-address order), ranks scattered back
     n_miss = 0
+    n_fill = 0
     base = tl.load(host_base_ptr + slot, mask=real, other=0)
     if n_host > 0:
+        if ONE_B:  # phase 3's only loads of the slot's rows, in flight during phase 2
+            mb = offs_b < B
+            st_all = tl.load(stamp_row + offs_b, mask=mb, other=0)
+            hp_all = tl.load(hot_pos_row + offs_b, mask=mb, other=-1)
         for w0 in range(0, W, BLOCK_W):
             j2 = w0 + offs_w
             kp = tl.load(key_ptr + j2, mask=j2 < W, other=-1)
@@ -322,67 +369,76 @@ def _resolve_kernel(
             tl.store(mj_ptr + r, claim - CLAIM, mask=mr)
             tl.store(hso_row + p, -2 - r, mask=mr)
             tl.store(miss_src_row + r, base + p.to(tl.int64), mask=mr)
-    for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
-        r = r0 + offs_w
-        mt = (r >= n_miss) & (r < W)
-        tl.store(miss_src_row + r, tl.zeros([BLOCK_W], tl.int64), mask=mt)
-        tl.store(miss_dst_row + r, tl.full([BLOCK_W], -1, tl.int32), mask=mt)
-    tl.debug_barrier()
+        tl.debug_barrier()
 
-    # 3. victims: the n_fill oldest unprotected slots, the i-th in slot order for miss
-    #    rank i; each filled rank's owner gets its location here, duplicates in phase 4
-    n_fill = 0
-    if n_miss > 0:
-        n_free = 0  # slots not used by this call (stamp != now)
-        n_hp_bad = 0
-        max_age = tl.zeros([1], tl.int64).sum()
-        for b0 in range(0, B, BLOCK_B):
-            b = b0 + offs_b
-            mb = b < B
-            st = tl.load(stamp_row + b, mask=mb, other=0)
-            hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
-            free = mb & (st != now)
-            counts = tl.sum(free.to(tl.int32) + ((mb & ((hp < -1) | (hp >= max_pos))).to(tl.int32) << 16))
-            n_free += counts & 0xFFFF
-            n_hp_bad += counts >> 16
-            max_age = tl.maximum(max_age, tl.max(tl.where(free, _age(st, now), 0)))
+        # 3. victims: the n_fill oldest unprotected slots, the i-th in slot order for
+        #    miss rank i; each filled rank's owner gets its location here, duplicates
+        #    in phase 4
+        if ONE_B:  # the whole row in registers: one load, every pass reads registers
+            free = mb & (st_all != now)
+            age = _age(st_all, now)
+            bad = mb & ((hp_all < -1) | (hp_all >= max_pos))
+            n_free, n_hp_bad, max_age = tl.reduce(
+                (free.to(tl.int32), bad.to(tl.int32), tl.where(free, age, 0)), 0, _sum_sum_max)
+            n_fill = tl.minimum(n_miss, n_free)
+            thresh = max_age * 0  # every unprotected slot is older than 0
+            ties = n_fill * 0
+            if n_fill < n_free:
+                need = n_fill
+                n_pass = _passes(max_age)
+                for q in range(0, n_pass):
+                    shift = ((n_pass - 1 - q) * 8).to(tl.int64)
+                    hist = _age_histogram(age, free, thresh, shift)
+                    need, thresh = _radix_step(hist, need, thresh, shift)
+                ties = need
+            _fill_victims(st_all, hp_all, offs_b, mb, now, max_pos, thresh, ties, 0, 0,
+                          mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, stamp_row, hso_row,
+                          miss_dst_row, loc_row)
+        else:
+            n_free = 0
+            n_hp_bad = 0
+            max_age = tl.zeros([1], tl.int64).sum()
+            for b0 in range(0, B, BLOCK_B):
+                b = b0 + offs_b
+                mb = b < B
+                st = tl.load(stamp_row + b, mask=mb, other=0)
+                hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
+                free = mb & (st != now)
+                bad = mb & ((hp < -1) | (hp >= max_pos))
+                f_c, b_c, a_c = tl.reduce((free.to(tl.int32), bad.to(tl.int32),
+                                           tl.where(free, _age(st, now), 0)), 0, _sum_sum_max)
+                n_free += f_c
+                n_hp_bad += b_c
+                max_age = tl.maximum(max_age, a_c)
+            n_fill = tl.minimum(n_miss, n_free)
+            thresh = max_age * 0
+            ties = n_fill * 0
+            if n_fill < n_free:
+                need = n_fill
+                n_pass = _passes(max_age)
+                for q in range(0, n_pass):
+                    shift = ((n_pass - 1 - q) * 8).to(tl.int64)
+                    hist = tl.zeros([256], tl.int32)
+                    for b0 in range(0, B, BLOCK_B):
+                        b = b0 + offs_b
+                        mb = b < B
+                        st = tl.load(stamp_row + b, mask=mb, other=0)
+                        hist += _age_histogram(_age(st, now), mb & (st != now), thresh, shift)
+                    need, thresh = _radix_step(hist, need, thresh, shift)
+                ties = need
+            run_a = 0
+            run_t = 0
+            for b0 in range(0, B, BLOCK_B):
+                b = b0 + offs_b
+                mb = b < B
+                st = tl.load(stamp_row + b, mask=mb, other=0)
+                hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
+                packed = _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t,
+                                       mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, stamp_row,
+                                       hso_row, miss_dst_row, loc_row)
+                run_a += packed & 0xFFFF
+                run_t += packed >> 16
         repairs += n_hp_bad
-        n_fill = tl.minimum(n_miss, n_free)
-        thresh = max_age * 0  # every unprotected slot is older than 0
-        ties = n_fill * 0
-        if n_fill < n_free:
-            thresh, ties = _victim_threshold(stamp_row, B, now, n_fill, max_age, BLOCK_B)
-        run_v = 0
-        run_t = 0
-        for b0 in range(0, B, BLOCK_B):
-            b = b0 + offs_b
-            mb = b < B
-            st = tl.load(stamp_row + b, mask=mb, other=0)
-            hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
-            free = mb & (st != now)
-            age = _age(st, now)
-            tie = (free & (age == thresh)).to(tl.int32)
-            t_rank = run_t + tl.cumsum(tie, 0) - tie
-            fill = free & ((age > thresh) | ((tie > 0) & (t_rank < ties)))
-            f = fill.to(tl.int32)
-            r = run_v + tl.cumsum(f, 0) - f  # miss rank of this victim
-            bad = mb & ((hp < -1) | (hp >= max_pos))
-            held = fill & ~bad & (hp >= 0)
-            # the old row is unlinked only where it points back at this slot: a stale
-            # entry may name a row that another victim takes in this call
-            link = tl.load(hso_row + hp, mask=held, other=-1)
-            new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
-            owner = tl.load(mj_ptr + r, mask=fill, other=0)
-            victim_row = tl.load(hot_rows_row + b, mask=fill, other=-1)
-            tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == b))
-            tl.store(hot_pos_row + b, tl.where(fill, new_pos, -1), mask=fill | bad)
-            tl.store(stamp_row + b, tl.zeros_like(st) + now, mask=fill)
-            tl.store(hso_row + new_pos, b, mask=fill)
-            tl.store(miss_dst_row + r, victim_row, mask=fill)
-            tl.store(loc_row + owner, victim_row, mask=fill)  # the selection that owns rank r
-            packed = tl.sum(f + (tie << 16))
-            run_v += packed & 0xFFFF
-            run_t += packed >> 16
         for r0 in range(n_fill, n_miss, BLOCK_W):  # overflow misses go to staging rows
             r = r0 + offs_w
             ms = r < n_miss
@@ -390,7 +446,12 @@ def _resolve_kernel(
             owner = tl.load(mj_ptr + r, mask=ms, other=0)
             tl.store(miss_dst_row + r, stage, mask=ms)
             tl.store(loc_row + owner, stage, mask=ms)
-        tl.debug_barrier()
+    for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
+        r = r0 + offs_w
+        mt = (r >= n_miss) & (r < W)
+        tl.store(miss_src_row + r, tl.zeros([BLOCK_W], tl.int64), mask=mt)
+        tl.store(miss_dst_row + r, tl.full([BLOCK_W], -1, tl.int32), mask=mt)
+    tl.debug_barrier()
 
     # 4. only when a missing row was selected more than once: every host selection
     #    reads its row's destination
@@ -618,6 +679,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             BLOCK_W=block_w,
             BLOCK_B=block_b,
             ONE_CHUNK=width <= block_w,
+            ONE_B=budget <= block_b,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
