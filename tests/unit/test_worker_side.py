@@ -3,7 +3,8 @@ scripted step metadata and vLLM-like paged caches.
 
 * the stats collector's resolver / admission counters are ``summary()``'s totals;
 * the hook's batch row -> request map (block of the newest token) is built once per
-  step and group, and follows the request's blocks from one step to the next.
+  step and group, and follows the request's blocks from one step to the next;
+* requests with different numbers of verification queries share one resolve call.
 """
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ STEPS = [
 TOPK = [[[0, 3, 9, 10], [5, 9, 10, -1]], [[1, 3, 11, 12], [12, 0, 6, -1]]]
 
 
-def make_worker() -> WS.WorkerSide:
+def make_worker(max_spec_queries: int = 2) -> WS.WorkerSide:
     cfg = DHiSparseConfig(hot_cache_rows=4, host_pool_gib=0.001, tail_pages=1,
                           optional_residency=False, device_window_tokens=0)
-    w = WS.WorkerSide(cfg, LAYERS, max_model_len=128, max_num_seqs=2, max_spec_queries=2,
+    w = WS.WorkerSide(cfg, LAYERS, max_model_len=128, max_num_seqs=2,
+                      max_spec_queries=max_spec_queries,
                       device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     w.register_kv_caches({
@@ -223,3 +225,62 @@ def test_a_failing_batched_resolve_is_attributed_to_its_request(monkeypatch):
     assert bool((locs == -1).all())
     assert w.take_failed() == {"a": "IndexError: bad selection"}
     assert "a" not in w.hierarchy.requests
+
+
+# -- variable K_r in one step ------------------------------------------------------------------
+# after STEPS: "a" (50 tokens) verifies an anchor and two drafts, "b" (30 tokens) decodes one
+# token; rows >= 12 of "a" and >= 7 of "b" are this step's (computed, not committed)
+VARIABLE_K = dict(
+    meta=DHiSparseMetadata(step=3, requests=[
+        RequestStep("a", 50, 3, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=40),
+        RequestStep("b", 30, 1, prompt_len=30, block_ids=([], []), replace_blocks=False,
+                    max_tokens=10)]),
+    tables=([[10, 11, 12, 15], [13, 14, 0, 0]],
+            [[20, 21, 22, 23, 24, 25, 30], [26, 27, 28, 29, 0, 0, 0]]),
+    seq_lens=[53, 31], token_rows=[0, 0, 0, 1])
+VARIABLE_TOPK = [[2, 4, 9, 11], [2, 4, 11, -1], [4, 12, 2, -1],  # "a": K_r = 3
+                 [0, 2, 6, 7]]  # "b": K_r = 1
+
+
+def test_requests_with_different_query_counts_share_one_resolve():
+    """K_r = 3 next to K_r = 1 in one batch (DSpark's confidence scheduling varies it per
+    request): one resolve call per layer for both, the short request's missing queries
+    are padding; every selection of every query reads its request's own row (committed
+    rows through the hierarchy, this step's rows through staging), and a row that
+    several of "a"'s queries select is fetched from host once."""
+    w = make_worker(max_spec_queries=3)
+    for step in range(len(STEPS)):
+        run_step(w, step)
+    assert w.requests["b"].admitted
+    s = VARIABLE_K
+    w.begin_step(s["meta"])
+    calls = []
+    original = w.hierarchy.resolve
+
+    def resolve(source, req_ids, selections, *args, **kwargs):
+        calls.append((source, list(req_ids), tuple(selections.shape)))
+        return original(source, req_ids, selections, *args, **kwargs)
+    w.hierarchy.resolve = resolve
+    before = w.summary()["totals"]
+    topk = torch.tensor(VARIABLE_TOPK, dtype=torch.int32)
+    for layer in LAYERS:
+        plan = w.routing_plan(layer, torch.tensor(s["tables"][layer.group], dtype=torch.int32),
+                              torch.tensor(s["seq_lens"], dtype=torch.int32),
+                              torch.tensor(s["token_rows"]))
+        assert plan.req_ids == ["a", "b"] and plan.num_queries == 3
+        assert plan.tok_j.tolist() == [0, 1, 2, 0]
+        locs = w.resolve_tokens(layer, plan, topk)
+        pool = w.hierarchy.source(layer.name).pool
+        for t, req in enumerate(["a", "a", "a", "b"]):
+            sel = topk[t][topk[t] >= 0]
+            got = pool.read(locs[t][topk[t] >= 0])
+            want = w.vllm_cache.rows(layer, w.requests[req].block_ids[layer.group], sel)
+            assert torch.equal(got, want), (layer.name, req, t)
+    assert [c[1:] for c in calls] == [(["a", "b"], (2, 3, 4))] * len(LAYERS)
+    after = w.summary()["totals"]
+    # "a"'s queries select the host rows 2 and 4 three times each: fetched once
+    fetched = after["fetched"] - before["fetched"]
+    host = after["host"] - before["host"]
+    assert host - fetched == 2 * 2 * len(LAYERS), (host, fetched)  # 2 rows x 2 repeats
+    w.end_step()
