@@ -1,0 +1,280 @@
+"""The hierarchy's whole decode step (KVHierarchy, not only the kernel) at DeepSeek-V4.1-Flash shapes.
+
+    python3 benchmarks/bench_hierarchy_step.py                      # H200, full sizes
+    TRITON_INTERPRET=1 python benchmarks/bench_hierarchy_step.py --smoke   # CPU, tiny
+
+Sources (paper 4.1): ``c4a`` selected by five layers with B = 8192 and three
+single-layer sources with B = 4096; k = 512 selections per layer; 584-byte rows
+stored as 576 + 8 byte planes (fp8_ds_mla).  Every session is admitted with
+``--history`` rows per source (optional residency keeps what the device pool has
+room for; the rest is on host) and then decodes: one row per source every
+``--compress`` steps (the model's compression rate), five resolve calls on ``c4a``
+and one on each other source, then ``step()`` (backups, repopulation).  Selections
+have locality: a fixed working set per session and layer (hot after its first
+use) plus ``--miss`` of k fresh rows per call from the non-resident history
+(host misses), the rest from the rows the device holds; the fractions the
+hierarchy actually resolved are reported next to them.
+
+Checked first, per batch size: for the first steps every location of every sampled
+session reads its original row (eq. 12), from the pool bytes against the imported
+truth.  Then timed, per decode step: wall clock (``perf_counter`` around the step,
+synchronised before and after), GPU time of the whole step (CUDA events), the
+resolve calls' share of the wall clock, host synchronisations (torch's sync debug
+mode, one warning per synchronising call), and bytes fetched from host.  Results:
+``results/bench_hierarchy_step.{json,png}``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
+
+FULL = dict(batches=(16, 64, 256, 512), top_k=512, row_bytes=584, segments=(576, 8),
+            budgets=(8192, 4096, 4096, 4096), layers=(5, 1, 1, 1), page_size=64,
+            history=8192, steps=12, warmup=3, check_steps=2, check_sessions=8)
+SMOKE = dict(batches=(2, 4), top_k=8, row_bytes=12, segments=(8, 4), budgets=(16, 8, 8, 8),
+             layers=(2, 1, 1, 1), page_size=4, history=64, steps=3, warmup=1, check_steps=2,
+             check_sessions=4)
+SOURCES = ("c4a", "src1", "src2", "src3")
+
+
+def build(cfg: dict, n: int, dev: torch.device, resident: float):
+    """The hierarchy and every session's imported history (kept as the truth)."""
+    ps, hist, k = cfg["page_size"], cfg["history"], cfg["top_k"]
+    max_rows = hist + cfg["steps"] + cfg["warmup"] + cfg["check_steps"] + ps
+    specs = []
+    for name, budget in zip(SOURCES, cfg["budgets"]):
+        per_req = -(-budget // ps) + 2 + -(-max(0, k - budget) // ps)  # hot, tail, staging
+        optional = int(resident * n * (hist // ps))
+        specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
+                          device_pages=n * per_req + optional, host_rows=n * max_rows,
+                          hot_rows=budget, tail_pages=2, max_slots=n, max_rows=max_rows,
+                          staging_rows=max(0, k - budget), segments=cfg["segments"]))
+    h = KVHierarchy(specs, device=dev)
+    g = torch.Generator(device="cpu").manual_seed(n)
+    truth = {s: torch.randint(0, 256, (n, max_rows, cfg["row_bytes"]), generator=g,
+                              dtype=torch.uint8).to(dev) for s in SOURCES}
+    ids = [f"s{i}" for i in range(n)]
+    for i, rid in enumerate(ids):
+        assert h.admit(rid, max_rows, {s: truth[s][i, :hist] for s in SOURCES}), rid
+    return h, ids, truth
+
+
+def selection_plan(h, cfg: dict, ids: list, miss: float, seed: int):
+    """Per source and layer: a fixed working set per session and a generator of calls."""
+    k, g = cfg["top_k"], torch.Generator(device="cpu").manual_seed(seed)
+    plans = {}
+    for s, layers in zip(SOURCES, cfg["layers"]):
+        st = h.source(s).state
+        ps = st.page_size
+        ready = (st.page_table[[st.slot(r) for r in ids]] >= 0).cpu()  # [n, pages]
+        for layer in range(layers):
+            plans[(s, layer)] = (ready, ps, torch.randint(0, 2**31 - 1, (1,), generator=g).item())
+    return plans
+
+
+def selections(cfg, plan, n_rows: int, miss: float, step: int, dev) -> torch.Tensor:
+    """[n, 1, k] int32: direct rows (ready pages), a working set (hot after its first
+    use) and fresh host misses."""
+    ready, ps, seed = plan
+    k = cfg["top_k"]
+    n = ready.shape[0]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = torch.arange(n_rows)
+    on_dev = ready[:, rows // ps]  # [n, rows]
+    out = torch.full((n, k), -1, dtype=torch.int64)
+    for i in range(n):
+        dev_rows, host_rows = rows[on_dev[i]], rows[~on_dev[i]]
+        # a session whose history is all on device (resident-first admission) has no
+        # hot or host rows: its selections are direct
+        n_miss = min(max(int(miss > 0), int(round(miss * k))), host_rows.numel())
+        n_hot = min(int(round(0.3 * k)), host_rows.numel() - n_miss)
+        n_dir = min(k - n_hot - n_miss, dev_rows.numel())
+        perm = host_rows[torch.randperm(host_rows.numel(), generator=g)]
+        working = perm[:n_hot]  # the same every step: hot after the first
+        pool = perm[n_hot:]
+        gs = torch.Generator(device="cpu").manual_seed(seed + 7919 * (step + 1) + i)
+        fresh = pool[torch.randperm(pool.numel(), generator=gs)[:n_miss]]
+        direct = dev_rows[torch.randperm(dev_rows.numel(), generator=gs)[:n_dir]]
+        picked = torch.cat([direct, working, fresh])
+        out[i, :picked.numel()] = picked
+    return out.view(n, 1, k).to(torch.int32).to(dev)
+
+
+def check_locations(h, source: str, ids: list, sel: torch.Tensor, loc: torch.Tensor, truth,
+                    sample: int) -> str | None:
+    pool = h.source(source).pool
+    for i in range(min(sample, len(ids))):
+        valid = sel[i] >= 0
+        got = pool.read(loc[i][valid].long())
+        want = truth[source][i, sel[i][valid].long()]
+        if not torch.equal(got.to(want.device), want):
+            return f"{source}: session {ids[i]} read wrong bytes at {int((got != want).any(-1).sum())} selections"
+    return None
+
+
+class SyncCounter:
+    """Counts synchronising CUDA calls (torch's sync debug mode warns once per call)."""
+
+    def __enter__(self):
+        self.count = 0
+        self._w = warnings.catch_warnings(record=True)
+        self.log = self._w.__enter__()
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        self.count = sum("synchronizing" in str(w.message) for w in self.log)
+        self._w.__exit__(*exc)
+
+
+def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: float, dev,
+                check: bool, times: dict) -> str | None:
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    if step_no % cfg["compress"] == 0:
+        pos = n_hist + step_no // cfg["compress"]
+        for s in SOURCES:
+            for i, rid in enumerate(ids):
+                h.append(rid, s, truth[s][i, pos:pos + 1])
+    t1 = time.perf_counter()
+    err = None
+    for (s, layer), plan in plans.items():
+        sel = selections(cfg, plan, n_hist, miss, step_no * 16 + layer, dev) if check else \
+            plan[3][step_no % len(plan[3])]
+        loc, _ = h.resolve(s, ids, sel)
+        if check and err is None:
+            err = check_locations(h, s, ids, sel, loc, truth, cfg["check_sessions"])
+    t2 = time.perf_counter()
+    h.step()
+    sync()
+    t3 = time.perf_counter()
+    times["append"].append(t1 - t0)
+    times["resolve"].append(t2 - t1)
+    times["step"].append(t3 - t2)
+    return err
+
+
+def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
+    h, ids, truth = build(cfg, n, dev, resident)
+    plans = selection_plan(h, cfg, ids, miss, seed=n)
+    n_hist = cfg["history"]
+    times = {"append": [], "resolve": [], "step": []}
+    errors = []
+    for step in range(cfg["check_steps"]):  # checked, not timed
+        err = decode_step(h, cfg, ids, truth, plans, step, n_hist, miss, dev, True, times)
+        if err:
+            errors.append(err)
+    # the timed steps' selections, made before timing (generation is not the hierarchy's)
+    for key, plan in plans.items():
+        calls = [selections(cfg, plan, n_hist, miss, 1000 + j, dev)
+                 for j in range(cfg["steps"] + cfg["warmup"])]
+        plans[key] = (*plan[:3], calls)
+    before = {s: h.source(s).resolver.totals() for s in SOURCES}
+    wall, gpu, syncs = [], [], []
+    times = {"append": [], "resolve": [], "step": []}
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        no = cfg["check_steps"] + step
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        with SyncCounter() as sc:
+            decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times)
+        t1 = time.perf_counter()
+        if step < cfg["warmup"]:
+            continue
+        wall.append(t1 - t0)
+        syncs.append(sc.count)
+        if dev.type == "cuda":
+            e1.record()
+            torch.cuda.synchronize()
+            gpu.append(e0.elapsed_time(e1) / 1e3)
+    after = {s: h.source(s).resolver.totals() for s in SOURCES}
+    moved = {f: sum(getattr(after[s], f) - getattr(before[s], f) for s in SOURCES)
+             for f in ("direct", "hot", "host", "fetched", "bytes_fetched")}
+    sel_total = max(1, moved["direct"] + moved["hot"] + moved["host"])
+    steps = max(1, len(wall))
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    w = cfg["warmup"]
+    # appends come every `compress` steps: the parts are means over the timed steps
+    return dict(
+        batch=n, miss=miss, errors=errors,
+        step_wall_ms=med(wall) * 1e3, step_wall_mean_ms=mean(wall) * 1e3,
+        step_gpu_ms=med(gpu) * 1e3 if gpu else None,
+        append_ms=mean(times["append"][w:]) * 1e3, resolve_ms=mean(times["resolve"][w:]) * 1e3,
+        step_call_ms=mean(times["step"][w:]) * 1e3,
+        host_syncs_per_step=med(syncs), bytes_fetched_per_step=moved["bytes_fetched"] / steps,
+        resolved_fraction=dict(direct=moved["direct"] / sel_total, hot=moved["hot"] / sel_total,
+                               host=moved["host"] / sel_total))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, interpreter)")
+    ap.add_argument("--batches", type=int, nargs="+", help="active sessions per run")
+    ap.add_argument("--miss", type=float, default=0.05, help="host misses, fraction of k")
+    ap.add_argument("--history", type=int, help="rows of imported history per session and source")
+    ap.add_argument("--resident", type=float, default=0.7,
+                    help="device room for this fraction of the imported history (optional pages)")
+    ap.add_argument("--compress", type=int, default=4, help="decode steps per appended row")
+    ap.add_argument("--name", default=None, help="results file stem")
+    args = ap.parse_args(argv)
+    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress)
+    if args.batches:
+        cfg["batches"] = tuple(args.batches)
+    if args.history:
+        cfg["history"] = args.history
+    dev = C.device()
+    meta = C.metadata()
+    print(f"# bench_hierarchy_step on {meta['device']} ({meta['date_utc']}), miss {args.miss:.0%}")
+    points = []
+    for n in cfg["batches"]:
+        p = run_batch(cfg, n, args.miss, dev, args.resident)
+        points.append(p)
+        f = p["resolved_fraction"]
+        print(f"  batch {n:>4}: step {p['step_wall_ms']:8.2f} ms wall"
+              f" ({p['append_ms']:.2f} append, {p['resolve_ms']:.2f} resolve,"
+              f" {p['step_call_ms']:.2f} step()), {p['host_syncs_per_step']} host syncs,"
+              f" {C.fmt_bytes(p['bytes_fetched_per_step'])} fetched;"
+              f" direct / hot / host {f['direct']:.2f} / {f['hot']:.2f} / {f['host']:.2f}"
+              + (f"  ERRORS {p['errors']}" if p["errors"] else ""))
+    name = args.name or ("bench_hierarchy_step_smoke" if args.smoke else "bench_hierarchy_step")
+    C.write_json(name, dict(meta=meta, config={k: v for k, v in cfg.items()}, miss=args.miss,
+                            resident=args.resident, points=points))
+    fig, ax = C.new_figure(2, "KVHierarchy decode step (append + resolve + step)", meta)
+    xs = [p["batch"] for p in points]
+    for key, label in (("step_wall_ms", "whole step"), ("append_ms", "append"),
+                       ("resolve_ms", "resolve calls"), ("step_call_ms", "step()")):
+        ax[0].plot(xs, [p[key] for p in points], marker="o", label=label)
+    ax[0].set_xlabel("active sessions")
+    ax[0].set_ylabel("ms per decode step (wall: median; parts: mean)")
+    ax[0].set_xscale("log")
+    ax[0].set_yscale("log")
+    ax[0].legend(fontsize=7)
+    ax[1].plot(xs, [p["host_syncs_per_step"] for p in points], marker="o")
+    ax[1].set_xlabel("active sessions")
+    ax[1].set_ylabel("host synchronisations per step")
+    ax[1].set_xscale("log")
+    C.save_figure(fig, name)
+    return 1 if any(p["errors"] for p in points) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
