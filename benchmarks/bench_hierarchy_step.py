@@ -8,7 +8,8 @@ single-layer sources with B = 4096; k = 512 selections per layer; 584-byte rows
 stored as 576 + 8 byte planes (fp8_ds_mla).  Every session is admitted with
 ``--history`` rows per source (optional residency keeps what the device pool has
 room for; the rest is on host) and then decodes: one row per source every
-``--compress`` steps (the model's compression rate), five resolve calls on ``c4a``
+``--compress`` steps (the model's compression rate; one ``append_batch`` per source, or
+with ``--append each`` one ``append`` per session), five resolve calls on ``c4a``
 and one on each other source, then ``step()`` (backups, repopulation).  Selections
 have locality: a fixed working set per session and layer (hot after its first
 use) plus ``--miss`` of k fresh rows per call from the non-resident history
@@ -149,8 +150,11 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
     if step_no % cfg["compress"] == 0:
         pos = n_hist + step_no // cfg["compress"]
         for s in SOURCES:
-            for i, rid in enumerate(ids):
-                h.append(rid, s, truth[s][i, pos:pos + 1])
+            if cfg["append"] == "batch":
+                h.append_batch(s, ids, truth[s][:, pos])
+            else:
+                for i, rid in enumerate(ids):
+                    h.append(rid, s, truth[s][i, pos:pos + 1])
     t1 = time.perf_counter()
     err = None
     for (s, layer), plan in plans.items():
@@ -234,9 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--resident", type=float, default=0.7,
                     help="device room for this fraction of the imported history (optional pages)")
     ap.add_argument("--compress", type=int, default=4, help="decode steps per appended row")
+    ap.add_argument("--append", choices=("batch", "each"), default="batch",
+                    help="one append_batch per source, or one append per session and source")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
-    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress)
+    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append)
     if args.batches:
         cfg["batches"] = tuple(args.batches)
     if args.history:

@@ -8,6 +8,7 @@ residency manager.  The glue's calls map onto a decode step:
                        (resident-first), reclaim per eq. 4 or answer "wait"
     resolve(...)       attention hook: selections [N, K, k] -> device locations
     append(...)        after the forward: new rows land in the tail
+    append_batch(...)  the same for many requests: one device write of all rows
     step()             between steps: finish copies, back up completed tail
                        pages, repopulate a bounded number of optional pages
     finish / preempt   release everything the request holds
@@ -167,6 +168,33 @@ class KVHierarchy:
         rm.tail.append(rm.request(req_id), rows)
         for p in self.sources.values():
             p.residency.request(req_id).last_active = self.step_index
+
+    def append_batch(self, source: str, req_ids: list[str], rows: torch.Tensor,
+                     counts: list[int] | None = None) -> None:
+        """``append`` for many requests in one go: ``counts[i]`` rows of ``rows`` ([T,
+        row_bytes] uint8, in request order; default: T / N each) go to ``req_ids[i]``.
+        Checked first (unknown request, row shape, counts, max_rows): a bad input
+        changes nothing."""
+        parts = self.source(source)
+        for r in req_ids:
+            self._require(r)
+        if len(set(req_ids)) != len(req_ids):
+            raise ValueError(f"append_batch: request ids must be distinct, got {req_ids}")
+        self._check_rows(parts, rows, f"appended rows of {len(req_ids)} requests")
+        if counts is None:
+            if req_ids and rows.shape[0] % len(req_ids):
+                raise ValueError(f"append_batch: {rows.shape[0]} rows do not split evenly over "
+                                 f"{len(req_ids)} requests; pass counts")
+            counts = [rows.shape[0] // len(req_ids)] * len(req_ids) if req_ids else []
+        if len(counts) != len(req_ids) or any(not isinstance(c, int) or c < 0 for c in counts) \
+                or sum(counts) != rows.shape[0]:
+            raise ValueError(f"append_batch: counts {counts} must be one int >= 0 per request "
+                             f"summing to the {rows.shape[0]} rows")
+        rm = parts.residency
+        rm.tail.append_batch([rm.request(r) for r in req_ids], rows, counts)
+        for r in req_ids:
+            for p in self.sources.values():
+                p.residency.request(r).last_active = self.step_index
 
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):

@@ -117,6 +117,22 @@ class SourceState:
     def unpublish_page(self, req_id: str, page: int) -> None:
         self.page_table[self.slot(req_id), page] = -1
 
+    def publish_pages(self, slots: list[int], pages: list[int], device_rows: list[int]) -> None:
+        """:meth:`publish_page` for many (slot, page) at once: one write."""
+        if slots:
+            self.page_table[self._index(slots), self._index(pages)] = self._index(device_rows).int()
+
+    def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
+        """Lengths of many slots at once (callers check them): one write."""
+        for s, n in zip(slots, rows):
+            self._seq_len_host[s] = n
+        if slots:
+            self.seq_lens[self._index(slots)] = self._index(rows).int()
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        # built on the host, copied without waiting for the device (no sync per call)
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
     def set_seq_len(self, req_id: str, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"source {self.name!r}: request {req_id!r} length {rows} "

@@ -74,6 +74,59 @@ class TailWriter:
             i += take
             src.set_seq_len(rec.req_id, pos)
 
+    def append_batch(self, recs: list["RequestPages"], rows: torch.Tensor,
+                     counts: list[int]) -> None:
+        """``append`` for many requests at once: ``counts[i]`` rows of ``rows`` ([T,
+        row_bytes] uint8, requests in order) go to ``recs[i]``.  The bookkeeping is host
+        work; the device sees one write of every row, one publish of the new tail pages
+        and one write of the lengths, in that order (bytes before they are published,
+        lengths last, as ``append``).  A request that needs a tail page while all of its
+        pages wait for their backup takes ``append``'s synchronous path after the batch."""
+        src, ps = self.source, self.page_size
+        for rec, n in zip(recs, counts):  # all checked before anything changes
+            pos = src.seq_len(rec.req_id)
+            if pos + n > rec.max_rows:
+                raise ValueError(f"source {src.name!r}: request {rec.req_id!r} has {pos} rows; "
+                                 f"appending {n} exceeds its max_rows {rec.max_rows}")
+        dst, keep, slow = [], [], []
+        pub, lens = ([], [], []), ([], [])
+        first = 0
+        for rec, n in zip(recs, counts):
+            pos = src.seq_len(rec.req_id)
+            new_pages = len({p for p in range(pos // ps, (pos + n - 1) // ps + 1)
+                             if p not in rec.tail}) if n else 0
+            if new_pages > len(rec.tail_free):
+                slow.append((rec, first, n))
+                first += n
+                continue
+            slot = src.slot(rec.req_id)
+            end = pos + n
+            while pos < end:
+                page = pos // ps
+                dev = rec.tail.get(page)
+                if dev is None:
+                    dev = rec.tail_free.pop()
+                    rec.tail[page] = dev
+                    for lst, v in zip(pub, (slot, page, self.pool.first_row(dev))):
+                        lst.append(v)
+                take = min(end - pos, ps - pos % ps)
+                start = self.pool.first_row(dev) + pos % ps
+                dst.extend(range(start, start + take))
+                pos += take
+            keep.append((first, n))
+            lens[0].append(slot)
+            lens[1].append(end)
+            first += n
+        if dst:
+            data = rows if len(keep) == len(recs) else \
+                torch.cat([rows[a:a + n] for a, n in keep])
+            self.pool.write(torch.tensor(dst, dtype=torch.int64).to(self.pool.device,
+                                                                    non_blocking=True), data)
+        src.publish_pages(*pub)
+        src.set_seq_lens(*lens)
+        for rec, a, n in slow:
+            self.append(rec, rows[a:a + n])
+
     def start_backups(self, rec: "RequestPages") -> int:
         """Issues host copies of complete tail pages not already in flight."""
         complete = self.source.seq_len(rec.req_id) // self.page_size
