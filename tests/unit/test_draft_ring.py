@@ -93,3 +93,44 @@ def test_blocks_a_step_allocates_stay_within_r_d(num_tokens):
 def test_a_non_attention_draft_spec_is_refused():
     with pytest.raises(ValueError, match="sliding-window attention layers only"):
         ring_specs({"d": SimpleNamespace()}, ["d"], 128, 4)
+
+
+def test_the_spec_caps_admission_at_r_d():
+    """vLLM's startup sizer and admission gate read this cap: the ring's R_d / p, where a
+    plain sliding window holds the in-flight tokens on top of the window."""
+    ring = DraftRingSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                         sliding_window=128, k_max=4)
+    window = attn(SlidingWindowSpec, sliding_window=128)
+    assert ring.max_admission_blocks_per_request(8192, 32768) == draft_ring_rows(128, 256, 4) // 256
+    assert window.max_admission_blocks_per_request(8192, 32768) == 34
+
+
+@pytest.mark.parametrize("chunk", [7000, 2048, 1000])
+def test_admission_counts_the_blocks_the_ring_takes(chunk):
+    """Each step asks the manager how many blocks the allocation needs (vLLM checks the
+    free pool against it), then allocates: the pool never gives more than was asked for,
+    and a 7000-token prompt asks for its ring (2 blocks), not its 28 prompt blocks -- so
+    it is admitted into a pool of 4 free blocks that vLLM's own count would refuse."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    pool, mgr = pool_and_ring(blocks=5)  # one block is vLLM's null block
+    plain = SlidingWindowManager(attn(SlidingWindowSpec, sliding_window=128), block_pool=pool,
+                                 enable_caching=False, kv_cache_group_id=0,
+                                 scheduler_block_size=256)
+    bound = draft_ring_rows(128, 256, 4) // 256
+    full = mgr.get_num_blocks_to_allocate("r", 7000, [], 0, 0, 7000, apply_admission_cap=True)
+    assert full <= bound < pool.get_num_free_blocks()
+    assert plain.get_num_blocks_to_allocate("r", 7000, [], 0, 0, 7000) == 28
+    computed, prompt = 0, 7000
+    while computed < prompt + 12:  # prefill in chunks, then decode steps of 1 + 3 slots
+        step = min(chunk, prompt - computed) if computed < prompt else 1
+        slots = computed + step + (3 if computed >= prompt else 0)
+        mgr.remove_skipped_blocks("r", computed)
+        asked = mgr.get_num_blocks_to_allocate("r", slots, [], computed, computed,
+                                               computed + step)
+        assert asked <= bound
+        free = pool.get_num_free_blocks()
+        assert asked <= free
+        mgr.allocate_new_blocks("r", slots, computed + step)
+        assert free - pool.get_num_free_blocks() <= asked, (computed, asked)
+        computed += step
+    mgr.free("r")

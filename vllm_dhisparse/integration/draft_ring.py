@@ -20,11 +20,12 @@ appends what an allocation returns to its block table.  Decode frees as vLLM's s
 window does.  The connector refuses a drafter without a window of its own
 (spec/presets.py), and the ring refuses a layer that attends over another window.
 
-Not yet: admission still reserves every prompt block of the drafter
-(``get_num_blocks_to_allocate`` is vLLM's), so the ring saves memory while requests
-run but does not admit more of them; and the null prefix blocks are never hashed, so
-with prefix caching the drafter's group finds no hit behind the ring (vLLM then takes
-the smallest hit over the groups).
+Admission counts the ring too: the spec's per-request cap (vLLM's startup sizer and
+its admission gate) is R_d / p, and the manager's count of blocks an allocation needs
+is the real blocks the ring will take, so a long prompt is admitted on its ring, not
+on every prompt block.  Not yet: the null prefix blocks are never hashed, so with
+prefix caching the drafter's group finds no hit behind the ring (vLLM then takes the
+smallest hit over the groups).
 """
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Self
 
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+from vllm_dhisparse.hierarchy.sizing import draft_ring_rows
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -50,6 +54,13 @@ class DraftRingSpec(SlidingWindowSpec):
         merged = SlidingWindowSpec.merge.__func__(cls, specs)
         return replace(merged, k_max=k_max.pop())
 
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        """R_d / p whatever the chunk: the ring frees behind itself before it allocates
+        (vLLM's window holds the in-flight tokens on top)."""
+        rows = draft_ring_rows(self.sliding_window, self.block_size, self.k_max)
+        return min(rows // self.block_size, cdiv(max_model_len, self.block_size))
+
 
 class DraftRingManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec, **kwargs) -> None:
@@ -61,6 +72,25 @@ class DraftRingManager(SlidingWindowManager):
     def ring_start_blocks(self, num_tokens: int) -> int:
         """Leading blocks no draft query reads once ``num_tokens`` slots exist."""
         return max(0, num_tokens - self.sliding_window - self.k_max) // self.block_size
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                   total_computed_tokens, num_local_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap=False,
+                                   prefill_end=0) -> int:
+        """The blocks ``allocate_new_blocks`` will take from the pool: the real ones from
+        the ring start on (the pool gets the ones behind it back first), plus what vLLM
+        counts for a new request's prefix hit (hit blocks leaving the free queue, the
+        copy of a partial hit).  Never more than vLLM's sliding-window count."""
+        vllm_count = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+        held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        ring = max(0, cdiv(num_tokens, self.block_size)
+                   - max(held, self.ring_start_blocks(num_tokens)))
+        if request_id not in self.num_cached_block:
+            ring += self._get_num_evictable_blocks(new_computed_blocks)
+            ring += int(self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens))
+        return min(vllm_count, ring)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
         blocks = self.req_to_blocks[request_id]
