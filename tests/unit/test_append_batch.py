@@ -92,3 +92,20 @@ def test_bad_input_changes_nothing():
     with pytest.raises(ValueError, match=r"must be a uint8 tensor \[n, 3\]"):
         h.append_batch("a", ["r0"], rows(2, 5, 0))
     assert_same_state(before, state(h))
+
+
+def test_a_failed_backup_on_the_full_tail_path_fails_that_request_alone():
+    """r1's tail is full and its backup fails when the batch needs a page for it: the
+    failure comes back for r1 (not appended), the other requests are appended."""
+    from vllm_dhisparse.hierarchy.host_store import HostBackupError
+    h, truth = world()
+    b = h.source("b")
+    for r in ("r0", "r1"):  # fill b's single tail page of both to its end
+        n = b.spec.page_size - b.state.seq_len(r) % b.spec.page_size
+        h.append_batch("b", [r], rows(n, 5, 7))
+    b.host.fail_next_backup_of.add("r1")
+    lens = {r: b.state.seq_len(r) for r in ("r0", "r1", "r2")}
+    failed = h.append_batch("b", ["r0", "r1", "r2"], rows(3, 5, 8))
+    assert set(failed) == {"r1"} and isinstance(failed["r1"], HostBackupError)
+    assert b.state.seq_len("r1") == lens["r1"]
+    assert (b.state.seq_len("r0"), b.state.seq_len("r2")) == (lens["r0"] + 1, lens["r2"] + 1)

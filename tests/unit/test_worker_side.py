@@ -284,3 +284,59 @@ def test_requests_with_different_query_counts_share_one_resolve():
     host = after["host"] - before["host"]
     assert host - fetched == 2 * 2 * len(LAYERS), (host, fetched)  # 2 rows x 2 repeats
     w.end_step()
+
+
+# -- committed rows: one append_batch per source ------------------------------------------------
+def test_committed_rows_are_appended_in_one_batch_per_source(monkeypatch):
+    """After STEPS both requests commit rows in one step ("a" 48 -> 56 tokens, "b" 30 ->
+    34): one append_batch per source carries both, and the hierarchy's lengths follow."""
+    w = make_worker()
+    for step in range(len(STEPS)):
+        run_step(w, step)
+    calls = []
+    original = w.hierarchy.append_batch
+
+    def append_batch(source, req_ids, rows, counts=None):
+        calls.append((source, list(req_ids), counts))
+        return original(source, req_ids, rows, counts)
+    monkeypatch.setattr(w.hierarchy, "append_batch", append_batch)
+    w.begin_step(DHiSparseMetadata(step=3, requests=[
+        RequestStep("a", 56, 1, prompt_len=40, block_ids=([], [31]), replace_blocks=False,
+                    max_tokens=40),
+        RequestStep("b", 34, 1, prompt_len=30, block_ids=([16], [32]), replace_blocks=False,
+                    max_tokens=10)]))
+    assert calls == [("l0", ["a", "b"], [2, 1]), ("l1", ["a", "b"], [2, 1])]
+    for name in ("l0", "l1"):
+        st = w.hierarchy.source(name).state
+        assert (st.seq_len("a"), st.seq_len("b")) == (14, 8)
+        assert (w.requests["a"].rows[name], w.requests["b"].rows[name]) == (14, 8)
+    w.end_step()
+
+
+@pytest.mark.parametrize("how", ["returned", "raised"])
+def test_a_request_whose_append_fails_fails_alone(monkeypatch, how):
+    """A failure on the synchronous path of a full tail comes back for its request (the
+    others were appended); an exception of the whole call (nothing changed) is retried
+    one request at a time.  Either way only that request fails."""
+    from vllm_dhisparse.hierarchy.host_store import HostBackupError
+    w = make_worker()
+    original = w.hierarchy.append_batch
+    single = w.hierarchy.append
+
+    def append_batch(source, req_ids, rows, counts=None):
+        if how == "raised":
+            raise ValueError("one of them is bad")
+        failed = original(source, req_ids, rows, counts)
+        return {**failed, "a": HostBackupError("backup of a failed")} if "a" in req_ids else failed
+
+    def append(req_id, source, rows):
+        if req_id == "a":
+            raise HostBackupError("backup of a failed")
+        return single(req_id, source, rows)
+    monkeypatch.setattr(w.hierarchy, "append_batch", append_batch)
+    monkeypatch.setattr(w.hierarchy, "append", append)
+    for step in range(len(STEPS)):
+        w.begin_step(STEPS[step]["meta"])
+        w.end_step()
+    assert set(w.take_failed()) == {"a"}
+    assert w.requests["b"].admitted and "a" not in w.hierarchy.requests

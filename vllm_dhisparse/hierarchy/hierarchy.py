@@ -170,11 +170,13 @@ class KVHierarchy:
             p.residency.request(req_id).last_active = self.step_index
 
     def append_batch(self, source: str, req_ids: list[str], rows: torch.Tensor,
-                     counts: list[int] | None = None) -> None:
+                     counts: list[int] | None = None) -> dict[str, Exception]:
         """``append`` for many requests in one go: ``counts[i]`` rows of ``rows`` ([T,
         row_bytes] uint8, in request order; default: T / N each) go to ``req_ids[i]``.
         Checked first (unknown request, row shape, counts, max_rows): a bad input
-        changes nothing."""
+        changes nothing.  Returns what failed for single requests (a host backup on the
+        synchronous path of a full tail, ``append``'s errors): those requests were not
+        appended, every other one was."""
         parts = self.source(source)
         for r in req_ids:
             self._require(r)
@@ -191,10 +193,11 @@ class KVHierarchy:
             raise ValueError(f"append_batch: counts {counts} must be one int >= 0 per request "
                              f"summing to the {rows.shape[0]} rows")
         rm = parts.residency
-        rm.tail.append_batch([rm.request(r) for r in req_ids], rows, counts)
+        failed = rm.tail.append_batch([rm.request(r) for r in req_ids], rows, counts)
         for r in req_ids:
             for p in self.sources.values():
                 p.residency.request(r).last_active = self.step_index
+        return failed
 
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):

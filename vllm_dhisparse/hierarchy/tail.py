@@ -75,13 +75,14 @@ class TailWriter:
             src.set_seq_len(rec.req_id, pos)
 
     def append_batch(self, recs: list["RequestPages"], rows: torch.Tensor,
-                     counts: list[int]) -> None:
+                     counts: list[int]) -> dict[str, Exception]:
         """``append`` for many requests at once: ``counts[i]`` rows of ``rows`` ([T,
         row_bytes] uint8, requests in order) go to ``recs[i]``.  The bookkeeping is host
         work; the device sees one write of every row, one publish of the new tail pages
         and one write of the lengths, in that order (bytes before they are published,
         lengths last, as ``append``).  A request that needs a tail page while all of its
-        pages wait for their backup takes ``append``'s synchronous path after the batch."""
+        pages wait for their backup takes ``append``'s synchronous path after the batch;
+        what that path raises is returned per request (the others are appended)."""
         src, ps = self.source, self.page_size
         for rec, n in zip(recs, counts):  # all checked before anything changes
             pos = src.seq_len(rec.req_id)
@@ -124,8 +125,13 @@ class TailWriter:
                                                                     non_blocking=True), data)
         src.publish_pages(*pub)
         src.set_seq_lens(*lens)
+        failed = {}
         for rec, a, n in slow:
-            self.append(rec, rows[a:a + n])
+            try:
+                self.append(rec, rows[a:a + n])
+            except Exception as e:  # noqa: BLE001 -- e.g. its backup failed: it alone
+                failed[rec.req_id] = e
+        return failed
 
     def start_backups(self, rec: "RequestPages") -> int:
         """Issues host copies of complete tail pages not already in flight."""

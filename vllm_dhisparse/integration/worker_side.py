@@ -82,6 +82,7 @@ class WorkerSide:
         self.vllm_cache = VllmC4aCaches()
         self.failed: dict[str, str] = {}
         self.fresh_rows: dict[str, int] = {}  # per source: staging columns for this step's rows
+        self.pending_appends: dict[str, list] = {}  # per source: (request, have, want) rows
         self.fresh_selections = 0  # selections of rows computed this step (tail, direct)
         self.step_req_ids: list[str] = []  # requests scheduled in the current step
         self.routing = StepRouting()  # this step's plans; the hook asks once per layer
@@ -129,6 +130,7 @@ class WorkerSide:
                 (h.preempt if rid in meta.preempted else h.finish)(rid)
             self.failed.pop(rid, None)
         self.step_req_ids = [rs.req_id for rs in meta.requests]
+        decoding = []
         for rs in meta.requests:
             req = self.requests.get(rs.req_id)
             if req is None or rs.replace_blocks:
@@ -155,9 +157,12 @@ class WorkerSide:
                     self._admit(req)  # retry: no device room when its prefill completed
                 if req.admitted:
                     self._commit_rows(req)
-            if req.admitted and not req.failed:
-                self.verify_queries.append(rs.num_scheduled_tokens)  # K_r (stats.py)
+            if req.admitted:
+                decoding.append((req, rs.num_scheduled_tokens))
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
+        self._append_committed()
+        # K_r of every request this step serves (stats.py)
+        self.verify_queries.extend(k for req, k in decoding if req.admitted and not req.failed)
 
     @contextlib.contextmanager
     def _isolated(self, req: TrackedRequest):
@@ -247,12 +252,40 @@ class WorkerSide:
         req.rows = {name: imported[name].shape[0] for name in self.layers}
 
     def _commit_rows(self, req: TrackedRequest) -> None:
+        """Rows that became committed are appended after every request of the step is
+        known (``_append_committed``: one append_batch per source)."""
         self._inject("append", req.req_id)
         for name, layer in self.layers.items():
             have, want = req.rows[name], self._committed_rows(req, layer)
             if want > have:
-                self.hierarchy.append(req.req_id, name, self._vllm_rows(req, layer, have, want))
-                req.rows[name] = want
+                self.pending_appends.setdefault(name, []).append((req, have, want))
+
+    def _append_committed(self) -> None:
+        pending, self.pending_appends = self.pending_appends, {}
+        for name, items in pending.items():
+            layer = self.layers[name]
+            batch = []  # (request, rows it commits up to, those rows)
+            for req, have, want in items:
+                if req.admitted and not req.failed:
+                    with self._isolated(req):
+                        batch.append((req, want, self._vllm_rows(req, layer, have, want)))
+            if not batch:
+                continue
+            try:
+                failed = self.hierarchy.append_batch(
+                    name, [req.req_id for req, _, _ in batch], torch.cat([d for _, _, d in batch]),
+                    [d.shape[0] for _, _, d in batch])
+            except Exception:  # noqa: BLE001 -- checked before any change: find whose
+                logger.exception("DHiSparse: a batched append to %s failed; appending its %d "
+                                 "requests one by one", name, len(batch))
+                failed = None
+            for req, want, rows in batch:
+                with self._isolated(req):
+                    if failed is None:
+                        self.hierarchy.append(req.req_id, name, rows)
+                    elif req.req_id in failed:
+                        raise failed[req.req_id]
+                    req.rows[name] = want
 
     # -- attention hook support ------------------------------------------------------------
     def attention_cache(self, layer: SparseLayer) -> tuple[torch.Tensor, int]:
