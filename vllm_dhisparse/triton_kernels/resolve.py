@@ -322,8 +322,8 @@ def _resolve_kernel(
             n_hot += n_hot_c
             n_host += n_host_c
             repairs += n_rep_c
+    tl.debug_barrier()  # every lookup (and the clock) read the entry state before any write
     tl.store(clock_ptr + slot, now, mask=real & (n_hot + n_host > 0))
-    tl.debug_barrier()  # every lookup read the entry state before any lane writes it
 
     # 1b. hits stamp their slot, misses claim their row
     if ONE_CHUNK:
