@@ -151,7 +151,9 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
         pos = n_hist + step_no // cfg["compress"]
         for s in SOURCES:
             if cfg["append"] == "batch":
-                h.append_batch(s, ids, truth[s][:, pos])
+                failed = h.append_batch(s, ids, truth[s][:, pos])
+                if failed:
+                    raise RuntimeError(f"append_batch to {s} failed for {failed}")
             else:
                 for i, rid in enumerate(ids):
                     h.append(rid, s, truth[s][i, pos:pos + 1])

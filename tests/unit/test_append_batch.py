@@ -109,3 +109,23 @@ def test_a_failed_backup_on_the_full_tail_path_fails_that_request_alone():
     assert set(failed) == {"r1"} and isinstance(failed["r1"], HostBackupError)
     assert b.state.seq_len("r1") == lens["r1"]
     assert (b.state.seq_len("r0"), b.state.seq_len("r2")) == (lens["r0"] + 1, lens["r2"] + 1)
+
+
+def test_a_device_failure_leaves_every_request_as_it_was(monkeypatch):
+    """If the device write raises (out of memory, say), no tail page was bound, nothing
+    was published, no length moved: the caller can append one request at a time."""
+    h, truth = world()
+    before = state(h)
+    pool = h.source("a").pool
+
+    def boom(locs, data):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(pool, "write", boom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        h.append_batch("a", ["r0", "r1", "r2"], rows(9, 3, 5))  # crosses pages for all
+    assert_same_state(before, state(h))
+    monkeypatch.undo()
+    for r, first in (("r0", 0), ("r1", 3), ("r2", 6)):
+        h.append(r, "a", rows(9, 3, 5)[first:first + 3])
+        truth[r]["a"] = torch.cat([truth[r]["a"], rows(9, 3, 5)[first:first + 3]])
+    check_invariants(h, truth=truth)

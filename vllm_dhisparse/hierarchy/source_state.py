@@ -124,10 +124,10 @@ class SourceState:
 
     def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
         """Lengths of many slots at once (callers check them): one write."""
-        for s, n in zip(slots, rows):
-            self._seq_len_host[s] = n
         if slots:
             self.seq_lens[self._index(slots)] = self._index(rows).int()
+        for s, n in zip(slots, rows):
+            self._seq_len_host[s] = n
 
     def _index(self, values: list[int]) -> torch.Tensor:
         # built on the host, copied without waiting for the device (no sync per call)

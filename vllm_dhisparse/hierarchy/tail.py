@@ -89,7 +89,7 @@ class TailWriter:
             if pos + n > rec.max_rows:
                 raise ValueError(f"source {src.name!r}: request {rec.req_id!r} has {pos} rows; "
                                  f"appending {n} exceeds its max_rows {rec.max_rows}")
-        dst, keep, slow = [], [], []
+        dst, keep, slow, bind = [], [], [], []
         pub, lens = ([], [], []), ([], [])
         first = 0
         for rec, n in zip(recs, counts):
@@ -102,12 +102,14 @@ class TailWriter:
                 continue
             slot = src.slot(rec.req_id)
             end = pos + n
+            free = list(rec.tail_free)  # popped as append pops, bound after the device work
+            planned = {}
             while pos < end:
                 page = pos // ps
-                dev = rec.tail.get(page)
+                dev = rec.tail.get(page, planned.get(page))
                 if dev is None:
-                    dev = rec.tail_free.pop()
-                    rec.tail[page] = dev
+                    dev = planned[page] = free.pop()
+                    bind.append((rec, page, dev))
                     for lst, v in zip(pub, (slot, page, self.pool.first_row(dev))):
                         lst.append(v)
                 take = min(end - pos, ps - pos % ps)
@@ -118,6 +120,8 @@ class TailWriter:
             lens[0].append(slot)
             lens[1].append(end)
             first += n
+        # device work first: if it raises, no request's pages or length changed (a page
+        # published here holds rows at or past its length only, which nothing reads)
         if dst:
             data = rows if len(keep) == len(recs) else \
                 torch.cat([rows[a:a + n] for a, n in keep])
@@ -125,6 +129,9 @@ class TailWriter:
                                                                     non_blocking=True), data)
         src.publish_pages(*pub)
         src.set_seq_lens(*lens)
+        for rec, page, dev in bind:
+            rec.tail_free.remove(dev)
+            rec.tail[page] = dev
         failed = {}
         for rec, a, n in slow:
             try:

@@ -130,6 +130,7 @@ class WorkerSide:
                 (h.preempt if rid in meta.preempted else h.finish)(rid)
             self.failed.pop(rid, None)
         self.step_req_ids = [rs.req_id for rs in meta.requests]
+        self.pending_appends = {}  # a step that raised before appending left nothing behind
         decoding = []
         for rs in meta.requests:
             req = self.requests.get(rs.req_id)
@@ -275,7 +276,7 @@ class WorkerSide:
                 failed = self.hierarchy.append_batch(
                     name, [req.req_id for req, _, _ in batch], torch.cat([d for _, _, d in batch]),
                     [d.shape[0] for _, _, d in batch])
-            except Exception:  # noqa: BLE001 -- checked before any change: find whose
+            except Exception:  # noqa: BLE001 -- nothing changed when it raises: find whose
                 logger.exception("DHiSparse: a batched append to %s failed; appending its %d "
                                  "requests one by one", name, len(batch))
                 failed = None
