@@ -134,3 +134,16 @@ def test_admission_counts_the_blocks_the_ring_takes(chunk):
         assert free - pool.get_num_free_blocks() <= asked, (computed, asked)
         computed += step
     mgr.free("r")
+
+
+def test_tokens_a_connector_supplies_are_counted_as_vllm_counts_them():
+    """External (connector) tokens take their blocks before the ring frees anything:
+    513 of them plus 131 new tokens need 2 blocks at once, as vLLM's own count says."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    pool, mgr = pool_and_ring()
+    plain = SlidingWindowManager(attn(SlidingWindowSpec, sliding_window=128), block_pool=pool,
+                                 enable_caching=False, kv_cache_group_id=0,
+                                 scheduler_block_size=256)
+    args = ("r", 644, [], 513, 0, 644)
+    assert mgr.get_num_blocks_to_allocate(*args) == plain.get_num_blocks_to_allocate(*args) == 2
+    assert mgr.get_num_blocks_to_allocate("r", 644, [], 0, 0, 644) == 1  # no connector: the ring

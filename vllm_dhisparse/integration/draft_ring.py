@@ -80,14 +80,19 @@ class DraftRingManager(SlidingWindowManager):
         """The blocks ``allocate_new_blocks`` will take from the pool: the real ones from
         the ring start on (the pool gets the ones behind it back first), plus what vLLM
         counts for a new request's prefix hit (hit blocks leaving the free queue, the
-        copy of a partial hit).  Never more than vLLM's sliding-window count."""
+        copy of a partial hit).  Never more than vLLM's sliding-window count, and
+        vLLM's count itself when a connector supplies tokens (their blocks are taken
+        before the ring frees anything)."""
         vllm_count = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, total_computed_tokens,
             num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+        new = request_id not in self.num_cached_block
+        if new and total_computed_tokens > num_local_computed_tokens:
+            return vllm_count
         held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         ring = max(0, cdiv(num_tokens, self.block_size)
                    - max(held, self.ring_start_blocks(num_tokens)))
-        if request_id not in self.num_cached_block:
+        if new:
             ring += self._get_num_evictable_blocks(new_computed_blocks)
             ring += int(self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens))
         return min(vllm_count, ring)
