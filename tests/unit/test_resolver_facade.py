@@ -154,3 +154,19 @@ def test_cuda_and_cuda_index_are_one_device():
     loc, c = h.resolve("s", ["r"], torch.tensor([[[0, 5, 8, -1]]], dtype=torch.int32,
                                                 device=torch.device("cuda", 0)))
     assert int(c[0, :3].sum()) == 3
+
+
+def test_the_clock_wraps_and_the_invariants_hold(setup):
+    """Any int32 is a stamp: a request whose clock wraps from INT32_MAX keeps resolving
+    exactly, evicts its oldest slots first, and no invariant calls the wrapped stamps
+    'ahead of the clock'."""
+    h, truth = setup
+    st = h.sources["s"].state
+    slot = st.slot("r_host")
+    st.hot_clock[slot] = 2**31 - 2
+    st.hot_stamp[slot] = 2**31 - 2
+    for rows_ in ([0, -1, -1, -1], [0, 1, -1, -1], [2, 0, -1, -1]):  # slots left unstamped
+        loc, _ = h.resolve("s", ["r_host"], sel(rows_))
+        verify_exact(h, truth, ["r_host"], sel(rows_), loc)
+        check_invariants(h, truth)
+    assert int(st.hot_clock[slot]) == -2**31 + 1  # three calls: INT32_MAX - 1 -> wrapped

@@ -107,7 +107,9 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
             # (b) hot cache coherence
             hot_pos = st.hot_pos[slot].cpu().long()
             slot_of = st.hot_slot_of[slot].cpu().long()
-            ahead = (st.hot_stamp[slot].cpu().long() - int(st.hot_clock[slot])) > 0
+            # a stamp is at most the clock (ages mod 2**32 below 2**31: any wrap is fine)
+            age = (int(st.hot_clock[slot]) - st.hot_stamp[slot].cpu().long()) & 0xFFFFFFFF
+            ahead = age >= 2**31
             assert not bool(ahead.any()), (
                 f"{where}: hot slots {ahead.nonzero().flatten().tolist()} carry stamps ahead "
                 f"of the clock {int(st.hot_clock[slot])}")
