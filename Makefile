@@ -1,5 +1,5 @@
 # The two commands a new user needs (README):
-#   make demo   - set up, build the demo model, serve it with the connector, send one request
+#   make demo   - set up, build the demo model, serve one prompt without and with the connector, compare
 #   make test   - set up, run the whole test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python

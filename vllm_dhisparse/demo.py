@@ -1,13 +1,16 @@
-"""The main job: serve a model with the DHiSparse connector and send it one request.
+"""The main job: the same prompt served without and with the DHiSparse connector.
 
     python -m vllm_dhisparse.demo                  # built-in tiny DeepSeek-V4 model, CPU
     python -m vllm_dhisparse.demo --model DIR      # your model (a GPU machine with vllm==0.33)
 
-Steps, each announced: build the demo model (no downloads), start vLLM's
-OpenAI-compatible server on 127.0.0.1 with ``DHiSparseConnector``, wait for
-it to be healthy, send one ``/v1/completions`` request, print the answer and
-the connector's counters (selections resolved direct / hot / host, rows and
-bytes fetched from host), stop the server.
+Steps, each announced: build the demo model (no downloads); start vLLM's
+OpenAI-compatible server on 127.0.0.1 without the connector (RESIDENT serving),
+send one greedy ``/v1/completions`` request with logprobs, stop it; start the
+same server with ``DHiSparseConnector``, send the same request, stop it; then
+compare the two answers token by token and logprob by logprob, and say where
+the rows attention read came from (selections resolved direct / through the hot
+cache / from host, rows and bytes fetched from host).  The demo model's text is
+noise: the comparison is the point.  Exit code 1 if the answers differ.
 """
 from __future__ import annotations
 
@@ -92,7 +95,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 def complete(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0.0}).encode()
+                       "temperature": 0.0, "logprobs": 1}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -111,6 +114,63 @@ def stop_server(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def serve_once(model: str, extra: dict | None, spec_cmd: list, env: dict, prompt: str,
+               args, log_path: str, label: str) -> dict:
+    """Starts one server (``extra`` None: without the connector), sends the prompt,
+    stops it; returns the completion's first choice."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = server_command(model, port, extra, args.max_model_len) + spec_cmd
+    _say(f"{label}: starting " + " ".join(cmd[:6]) + f" ... (log: {log_path})")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
+    try:
+        t0 = time.time()
+        wait_healthy(url, proc, args.timeout)
+        _say(f"{label}: server healthy after {time.time() - t0:.0f} s; sending the prompt "
+             f"({args.prompt_words} words)")
+        t0 = time.time()
+        choice = complete(url, model, prompt, args.max_tokens)["choices"][0]
+        _say(f"{label}: answer after {time.time() - t0:.1f} s: {choice['text']!r}")
+        return choice
+    except Exception:
+        log.flush()
+        with open(log_path) as f:
+            print(f.read()[-4000:], file=sys.stderr)
+        raise
+    finally:
+        stop_server(proc)
+
+
+def compare(resident: dict, connector: dict) -> bool:
+    """Says whether the two answers are the same tokens and logprobs; True if so."""
+    a, b = resident["logprobs"], connector["logprobs"]
+    same_tokens = a["tokens"] == b["tokens"]
+    diffs = [abs(x - y) for x, y in zip(a["token_logprobs"], b["token_logprobs"])
+             if x is not None and y is not None]
+    worst = max(diffs, default=0.0)
+    _say(f"compared: {len(a['tokens'])} tokens, "
+         + ("identical" if same_tokens else "DIFFERENT") + " tokens; "
+         + ("logprobs bit-identical" if worst == 0.0 else
+            f"logprobs NOT bit-identical (largest difference {worst:.3g}, first at token "
+            f"{next(i for i, d in enumerate(diffs) if d)})"))
+    return same_tokens
+
+
+def where_rows_came_from(stats: dict) -> None:
+    t = stats["totals"]
+    selected = t.get("direct", 0) + t.get("hot", 0) + t.get("host", 0)
+    if selected:
+        _say(f"rows attention read through the hierarchy: {selected} selections, "
+             f"{t['direct'] / selected:.0%} direct (tail, resident history), "
+             f"{t['hot'] / selected:.0%} hot cache, {t['host'] / selected:.0%} from host; "
+             f"{t.get('fetched', 0)} rows ({t.get('bytes_fetched', 0)} bytes) copied from host")
+    _say("connector counters: " + ", ".join(f"{k}={v}" for k, v in t.items()))
+    if "spec" in stats:
+        _say("speculation: " + ", ".join(f"{k}={v}" for k, v in stats["spec"].items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory or name; default: built-in demo model")
@@ -122,7 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--extra-config", default='{"hot_cache_rows": 512, "optional_residency": false}',
                     help="kv_connector_extra_config JSON (see README for the keys)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for the server")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for each server")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="serve with the connector only (skip the RESIDENT server)")
     ap.add_argument("--spec", choices=("dflash2",), default=None,
                     help="speculative decoding with a seeded DFlash2 drafter built next to the "
                          "demo model (window 128, K = 3; Model Runner V2). Its drafts are noise "
@@ -134,48 +196,33 @@ def main(argv=None) -> int:
     if model is None:
         _say(f"building the demo model in {args.demo_dir}")
         model = build_demo_model(args.demo_dir)
-    stats_file = os.path.join(tempfile.mkdtemp(prefix="dhisparse-demo-"), "stats.json")
+    work = tempfile.mkdtemp(prefix="dhisparse-demo-")
+    stats_file = os.path.join(work, "stats.json")
     extra = dict(json.loads(args.extra_config), stats_file=stats_file)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     spec_cmd = spec_args(model, args.spec, extra) if args.spec else []
-    cmd = server_command(model, port, extra, args.max_model_len) + spec_cmd
+    resident_spec = []
+    if args.spec:  # the same drafter without the connector: the connector key goes
+        resident_spec = spec_cmd
     env = dict(os.environ)
     if args.spec:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with DFlash2 / DSpark
-    _say("starting: " + " ".join(cmd[:6]) + " ... (log: server.log)")
-    log = open(os.path.join(os.path.dirname(stats_file), "server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env)
-    try:
-        t0 = time.time()
-        wait_healthy(url, proc, args.timeout)
-        _say(f"server healthy after {time.time() - t0:.0f} s at {url}")
-        words = ("the hierarchy keeps every row of history in host memory and only the "
-                 "selected rows reach attention").split()
-        prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
-        _say(f"sending one /v1/completions request ({args.prompt_words} words)")
-        t0 = time.time()
-        answer = complete(url, model, prompt, args.max_tokens)
-        _say(f"answer after {time.time() - t0:.1f} s: {answer['choices'][0]['text']!r}")
-        time.sleep(0.5)
-        if os.path.exists(stats_file):
-            with open(stats_file) as f:
-                stats = json.load(f)
-            _say("connector counters: " + ", ".join(f"{k}={v}" for k, v in stats["totals"].items()))
-            if "spec" in stats:
-                _say("speculation: " + ", ".join(f"{k}={v}" for k, v in stats["spec"].items()))
-        else:
-            _say("no connector counters were written (no decode step went through the hierarchy)")
-        return 0
-    except Exception:
-        log.flush()
-        with open(log.name) as f:
-            tail = f.read()[-4000:]
-        print(tail, file=sys.stderr)
-        raise
-    finally:
-        stop_server(proc)
+    words = ("the hierarchy keeps every row of history in host memory and only the "
+             "selected rows reach attention").split()
+    prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
+    resident = None
+    if not args.no_compare:
+        resident = serve_once(model, None, resident_spec, env, prompt, args,
+                              os.path.join(work, "server_resident.log"), "without the connector")
+    connector = serve_once(model, extra, spec_cmd, env, prompt, args,
+                           os.path.join(work, "server_connector.log"), "with DHiSparseConnector")
+    if os.path.exists(stats_file):
+        with open(stats_file) as f:
+            where_rows_came_from(json.load(f))
+    else:
+        _say("no connector counters were written (no decode step went through the hierarchy)")
+    if resident is not None and not compare(resident, connector):
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
