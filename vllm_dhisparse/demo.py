@@ -60,6 +60,18 @@ def server_command(model: str, port: int, extra: dict | None, max_model_len: int
     return cmd
 
 
+def server_env(base: dict | None = None) -> dict:
+    """The environment of a demo / test server.  On CPU, vLLM reserves one more core for
+    its scheduler whenever a KV connector is configured, so with few cores the worker
+    of the connector arm would run its matrix products on another thread count than
+    the resident arm, and their sums would round differently (logprobs then differ
+    where the hierarchy changed nothing).  Both arms reserve one core here."""
+    env = dict(os.environ if base is None else base)
+    if _on_cpu():
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    return env
+
+
 def spec_args(model: str, preset: str, extra: dict) -> list[str]:
     """Builds the demo drafter next to ``model`` and returns the server's speculative
     arguments; ``extra`` (the connector's config) is told the preset (``spec`` key)."""
@@ -203,7 +215,7 @@ def main(argv=None) -> int:
     resident_spec = []
     if args.spec:  # the same drafter without the connector: the connector key goes
         resident_spec = spec_cmd
-    env = dict(os.environ)
+    env = server_env()
     if args.spec:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with DFlash2 / DSpark
     words = ("the hierarchy keeps every row of history in host memory and only the "

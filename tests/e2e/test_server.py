@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from vllm_dhisparse.demo import free_port, server_command, stop_server, wait_healthy
+from vllm_dhisparse.demo import free_port, server_command, server_env, stop_server, wait_healthy
 
 from .conftest import REPO
 
@@ -31,7 +31,8 @@ def serve_and_ask(model: str, extra: dict | None, tmp_path, name: str) -> list[d
     port = free_port()
     log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(server_command(model, port, extra, 8192), stdout=log,
-                            stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+                            stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                            env=server_env())  # both arms on one thread count
     answers: list = [None] * len(PROMPTS)
 
     def ask(i, n, seed):
