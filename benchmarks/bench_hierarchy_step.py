@@ -71,9 +71,10 @@ def build(cfg: dict, n: int, dev: torch.device, resident: float):
     return h, ids, truth
 
 
-def selection_plan(h, cfg: dict, ids: list, miss: float, seed: int):
-    """Per source and layer: a fixed working set per session and a generator of calls."""
-    k, g = cfg["top_k"], torch.Generator(device="cpu").manual_seed(seed)
+def selection_plan(h, cfg: dict, ids: list, seed: int):
+    """Per source and layer: which pages each session has ready, and a seed for its
+    working set (``selections`` draws the calls)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
     plans = {}
     for s, layers in zip(SOURCES, cfg["layers"]):
         st = h.source(s).state
@@ -177,7 +178,7 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
 
 def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
     h, ids, truth = build(cfg, n, dev, resident)
-    plans = selection_plan(h, cfg, ids, miss, seed=n)
+    plans = selection_plan(h, cfg, ids, seed=n)
     n_hist = cfg["history"]
     times = {"append": [], "resolve": [], "step": []}
     errors = []
