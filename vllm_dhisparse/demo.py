@@ -211,10 +211,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="dhisparse-demo-")
     stats_file = os.path.join(work, "stats.json")
     extra = dict(json.loads(args.extra_config), stats_file=stats_file)
+    # the same drafter in both arms; only the connector's config names the preset
     spec_cmd = spec_args(model, args.spec, extra) if args.spec else []
-    resident_spec = []
-    if args.spec:  # the same drafter without the connector: the connector key goes
-        resident_spec = spec_cmd
     env = server_env()
     if args.spec:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with DFlash2 / DSpark
@@ -223,7 +221,7 @@ def main(argv=None) -> int:
     prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
     resident = None
     if not args.no_compare:
-        resident = serve_once(model, None, resident_spec, env, prompt, args,
+        resident = serve_once(model, None, spec_cmd, env, prompt, args,
                               os.path.join(work, "server_resident.log"), "without the connector")
     connector = serve_once(model, extra, spec_cmd, env, prompt, args,
                            os.path.join(work, "server_connector.log"), "with DHiSparseConnector")

@@ -21,3 +21,9 @@ def canonical_device(device: torch.device | str | int) -> torch.device:
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     return canonical_device(a) == canonical_device(b)
+
+
+def host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 index tensor built on the host and copied without waiting for the device
+    (no host synchronisation per call; the copy is ordered before later work)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

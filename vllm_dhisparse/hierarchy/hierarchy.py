@@ -166,8 +166,7 @@ class KVHierarchy:
         self._check_rows(parts, rows, f"appended rows of {req_id!r}")
         rm = parts.residency
         rm.tail.append(rm.request(req_id), rows)
-        for p in self.sources.values():
-            p.residency.request(req_id).last_active = self.step_index
+        self._touch([req_id])
 
     def append_batch(self, source: str, req_ids: list[str], rows: torch.Tensor,
                      counts: list[int] | None = None) -> dict[str, Exception]:
@@ -194,10 +193,15 @@ class KVHierarchy:
                              f"summing to the {rows.shape[0]} rows")
         rm = parts.residency
         failed = rm.tail.append_batch([rm.request(r) for r in req_ids], rows, counts)
-        for r in req_ids:
-            for p in self.sources.values():
-                p.residency.request(r).last_active = self.step_index
+        self._touch(req_ids)
         return failed
+
+    def _touch(self, req_ids: list[str]) -> None:
+        """The requests were active in this step (the reclaim order reads it), in every source."""
+        for p in self.sources.values():
+            requests = p.residency.requests
+            for r in req_ids:
+                requests[r].last_active = self.step_index
 
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):

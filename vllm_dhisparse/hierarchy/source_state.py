@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .devices import canonical_device
+from .devices import canonical_device, host_index
 
 
 class SourceState:
@@ -120,18 +120,15 @@ class SourceState:
     def publish_pages(self, slots: list[int], pages: list[int], device_rows: list[int]) -> None:
         """:meth:`publish_page` for many (slot, page) at once: one write."""
         if slots:
-            self.page_table[self._index(slots), self._index(pages)] = self._index(device_rows).int()
+            self.page_table[host_index(slots, self.device), host_index(pages, self.device)] = \
+                host_index(device_rows, self.device).int()
 
     def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
         """Lengths of many slots at once (callers check them): one write."""
         if slots:
-            self.seq_lens[self._index(slots)] = self._index(rows).int()
+            self.seq_lens[host_index(slots, self.device)] = host_index(rows, self.device).int()
         for s, n in zip(slots, rows):
             self._seq_len_host[s] = n
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        # built on the host, copied without waiting for the device (no sync per call)
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def set_seq_len(self, req_id: str, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:

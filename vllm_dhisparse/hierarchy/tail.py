@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .device_pool import DevicePagePool
+from .devices import host_index
 from .host_store import HostStore
 from .source_state import SourceState
 
@@ -49,11 +50,8 @@ class TailWriter:
     def append(self, rec: "RequestPages", rows: torch.Tensor) -> None:
         """Writes ``rows`` ([n, row_bytes] uint8) after the request's current last row."""
         src, ps = self.source, self.page_size
-        pos = src.seq_len(rec.req_id)
         n = rows.shape[0]
-        if pos + n > rec.max_rows:
-            raise ValueError(f"source {src.name!r}: request {rec.req_id!r} has {pos} rows; "
-                             f"appending {n} exceeds its max_rows {rec.max_rows}")
+        pos = self._check_room(rec, n)
         i = 0
         while i < n:
             page = pos // ps
@@ -74,6 +72,14 @@ class TailWriter:
             i += take
             src.set_seq_len(rec.req_id, pos)
 
+    def _check_room(self, rec: "RequestPages", n: int) -> int:
+        """The request's length, after checking ``n`` more rows fit its max_rows."""
+        pos = self.source.seq_len(rec.req_id)
+        if pos + n > rec.max_rows:
+            raise ValueError(f"source {self.source.name!r}: request {rec.req_id!r} has {pos} "
+                             f"rows; appending {n} exceeds its max_rows {rec.max_rows}")
+        return pos
+
     def append_batch(self, recs: list["RequestPages"], rows: torch.Tensor,
                      counts: list[int]) -> dict[str, Exception]:
         """``append`` for many requests at once: ``counts[i]`` rows of ``rows`` ([T,
@@ -85,17 +91,13 @@ class TailWriter:
         what that path raises is returned per request (the others are appended)."""
         src, ps = self.source, self.page_size
         for rec, n in zip(recs, counts):  # all checked before anything changes
-            pos = src.seq_len(rec.req_id)
-            if pos + n > rec.max_rows:
-                raise ValueError(f"source {src.name!r}: request {rec.req_id!r} has {pos} rows; "
-                                 f"appending {n} exceeds its max_rows {rec.max_rows}")
+            self._check_room(rec, n)
         dst, keep, slow, bind = [], [], [], []
         pub, lens = ([], [], []), ([], [])
         first = 0
         for rec, n in zip(recs, counts):
             pos = src.seq_len(rec.req_id)
-            new_pages = len({p for p in range(pos // ps, (pos + n - 1) // ps + 1)
-                             if p not in rec.tail}) if n else 0
+            new_pages = sum(p not in rec.tail for p in range(pos // ps, (pos + n - 1) // ps + 1))
             if new_pages > len(rec.tail_free):
                 slow.append((rec, first, n))
                 first += n
@@ -125,8 +127,7 @@ class TailWriter:
         if dst:
             data = rows if len(keep) == len(recs) else \
                 torch.cat([rows[a:a + n] for a, n in keep])
-            self.pool.write(torch.tensor(dst, dtype=torch.int64).to(self.pool.device,
-                                                                    non_blocking=True), data)
+            self.pool.write(host_index(dst, self.pool.device), data)
         src.publish_pages(*pub)
         src.set_seq_lens(*lens)
         for rec, page, dev in bind:
