@@ -208,6 +208,21 @@ def test_resolve_copies_its_misses(copy):
         w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}", copy=copy)
 
 
+@pytest.mark.parametrize("early, step", [(0, 8), (4, 8), (16, 4), (2048, 4096)])
+def test_fused_copy_reads_early_words(early, step, monkeypatch):
+    """The one-block path reads the first ``early`` words of its misses from host before
+    the victim select and stores them after it, the rest in steps: the same bytes as
+    gather_rows whether the early words cover none, part or all of the misses, with
+    misses that fill hot slots and misses that overflow to staging rows."""
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    monkeypatch.setattr(resolve_module, "_EARLY_ELEMS", early)
+    monkeypatch.setattr(resolve_module, "_COPY_ELEMS", step)
+    w = World(budget=6, width=16, positions=64, slots=3, batch=2, row_bytes=24, staging_extra=2)
+    w.warm(0, [1, 2, 3])
+    for i in range(3):
+        w.call(w.selections([0, 2], 2, 8, dup=0.2), [0, 2], context=f"step {i}", copy=True)
+
+
 def test_many_programs_path(monkeypatch):
     """More programs than SMs: chunked B and W (two CTAs per SM), fused copy."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")

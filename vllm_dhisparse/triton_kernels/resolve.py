@@ -37,7 +37,9 @@ passes after phase 1 run only when their counts are non-zero:
      distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
      the filled slot, else the rank code of a staged row;
   5. staged rows leave hot_slot_of;  6. (fused copy) the program copies its own
-     misses from pinned host memory, the words of consecutive rows side by side.
+     misses from pinned host memory, the words of consecutive rows side by side; in
+     the one-block path the first EARLY_ELEMS words are read from host right after
+     phase 2 and stored after phase 3, so one PCIe round trip runs under the select.
 
 Requests in a batch must have distinct slots (the programs update per-slot state
 without synchronisation); slot -1 is a padding row.  Bounds: every index read
@@ -73,6 +75,8 @@ _MANY_BLOCK_B = 512
 _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused_copy=None;
 # measured up to 2048, single-query k=2048; wider miss lists keep the gather's grid)
 _COPY_ELEMS = 4096  # words in flight per step of the fused copy
+_EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim select
+# (one-block path): their PCIe round trip runs under the select instead of after it
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MANY_MAXNREG = 0  # register cap of the many-programs path (0: the compiler's choice)
 
@@ -249,6 +253,29 @@ def _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t, mpos_
 
 
 @triton.jit
+def _host_words(miss_src_row, n_elems, e0, copy_src_ptr, SRC_STRIDE: tl.constexpr,
+                ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr):
+    """Words e0 .. e0 + COPY_ELEMS of the miss list's host rows (rank-major), side by
+    side: no lane idles on a row's padding."""
+    e = e0 + tl.arange(0, COPY_ELEMS)
+    me = e < n_elems
+    r = e // ROW_ELEMS
+    src = tl.load(miss_src_row + r, mask=me, other=0)
+    return tl.load(copy_src_ptr + src * SRC_STRIDE + (e - r * ROW_ELEMS), mask=me)
+
+
+@triton.jit
+def _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, DST_STRIDE: tl.constexpr,
+                 ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr):
+    """Stores ``_host_words``' words at the miss list's device rows."""
+    e = e0 + tl.arange(0, COPY_ELEMS)
+    me = e < n_elems
+    r = e // ROW_ELEMS
+    dst = tl.load(miss_dst_row + r, mask=me, other=0).to(tl.int64)
+    tl.store(copy_dst_ptr + dst * DST_STRIDE + (e - r * ROW_ELEMS), val, mask=me)
+
+
+@triton.jit
 def _resolve_kernel(
     sel_ptr, sel_stride,  # [N, W] int32 (selections viewed as [N, K*k])
     slot_ids_ptr, n_slots,  # [N] int32, -1 = padding row
@@ -274,6 +301,7 @@ def _resolve_kernel(
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
+    EARLY_ELEMS: tl.constexpr,  # words read from host before phase 3 (COPY and ONE_B only)
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
@@ -370,6 +398,9 @@ def _resolve_kernel(
             tl.store(hso_row + p, -2 - r, mask=mr)
             tl.store(miss_src_row + r, base + p.to(tl.int64), mask=mr)
         tl.debug_barrier()
+        if EARLY_ELEMS > 0:  # the first words' host reads fly while phase 3 runs
+            first = _host_words(miss_src_row, n_miss * ROW_ELEMS, 0, copy_src_ptr, SRC_STRIDE,
+                                ROW_ELEMS, EARLY_ELEMS)
 
         # 3. victims: the n_fill oldest unprotected slots, the i-th in slot order for
         #    miss rank i; each filled rank's owner gets its location here, duplicates
@@ -446,6 +477,10 @@ def _resolve_kernel(
             owner = tl.load(mj_ptr + r, mask=ms, other=0)
             tl.store(miss_dst_row + r, stage, mask=ms)
             tl.store(loc_row + owner, stage, mask=ms)
+        if EARLY_ELEMS > 0:
+            tl.debug_barrier()  # miss_dst written by other threads
+            _store_words(first, miss_dst_row, n_miss * ROW_ELEMS, 0, copy_dst_ptr, DST_STRIDE,
+                         ROW_ELEMS, EARLY_ELEMS)
     for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
         r = r0 + offs_w
         mt = (r >= n_miss) & (r < W)
@@ -479,17 +514,12 @@ def _resolve_kernel(
     if COPY:
         if n_miss > 0:
             tl.debug_barrier()  # miss_src / miss_dst written by other threads
-            offs_e = tl.arange(0, COPY_ELEMS)
             n_elems = n_miss * ROW_ELEMS
-            for e0 in range(0, n_elems, COPY_ELEMS):
-                e = e0 + offs_e
-                me = e < n_elems
-                r = e // ROW_ELEMS
-                c = e - r * ROW_ELEMS
-                src = tl.load(miss_src_row + r, mask=me, other=0)
-                dst = tl.load(miss_dst_row + r, mask=me, other=0).to(tl.int64)
-                val = tl.load(copy_src_ptr + src * SRC_STRIDE + c, mask=me)
-                tl.store(copy_dst_ptr + dst * DST_STRIDE + c, val, mask=me)
+            for e0 in range(EARLY_ELEMS, n_elems, COPY_ELEMS):
+                val = _host_words(miss_src_row, n_elems, e0, copy_src_ptr, SRC_STRIDE, ROW_ELEMS,
+                                  COPY_ELEMS)
+                _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, DST_STRIDE, ROW_ELEMS,
+                             COPY_ELEMS)
 
     tl.store(miss_count_ptr + n, n_miss)
     counters_row = counters_ptr + n * 5
@@ -683,6 +713,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
+            EARLY_ELEMS=_EARLY_ELEMS if fused and budget <= block_b else 0,
             num_warps=warps,
             num_stages=1,
             **extra,
