@@ -64,7 +64,9 @@ from .reference import NUM_COUNTERS
 _INT32_MAX = 2**31 - 1
 _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
-_BLOCK_B = 1024  # hot slots per chunk in phase 3 when B does not fit one block
+_BLOCK_B = 4096  # hot slots per chunk in phase 3 when B does not fit one block (one wave):
+# phase 3 walks B up to four times, one dependent load per chunk; at B = 8192 / 16384
+# 4096-slot chunks took 45.7 / 68.1 us where 1024 took 64.5 / 105.6 (NOTES.md)
 _ONE_BLOCK_B = 4096  # largest B walked as one block in phase 3
 _NUM_WARPS = 16  # at least; more for a wide miss sort (_num_warps).  16 beat 8 in 7 of
 # the 9 SGLang cells (benchmarks/NOTES.md, v3): more loads in flight per request
