@@ -233,6 +233,27 @@ def test_repopulation_is_bounded_and_round_robin():
         verify_resolves(h, truth, r)
 
 
+def test_a_reclaimed_request_is_repopulated_again():
+    """step() remembers requests with nothing to repopulate; a reclaim must make their
+    dropped pages eligible again."""
+    h, truth = make(15, repopulate_pages_per_step=2)
+    assert admit(h, truth, "f", 0)
+    assert admit(h, truth, "r0", 8)  # all 4 pages kept: nothing to repopulate
+    h.step()
+    assert rec(h, "r0").pending == {}
+    assert admit(h, truth, "r1", 8)
+    assert admit(h, truth, "r2", 8)  # reclaims r0
+    assert len(rec(h, "r0").optional) == 0
+    h.finish("f")
+    truth.pop("f")
+    h.step()
+    assert sorted(rec(h, "r0").pending) == [3]
+    h.step()
+    assert sorted(rec(h, "r0").optional) == [3]
+    check_invariants(h, truth)
+    verify_resolves(h, truth, "r0")
+
+
 def test_tail_backup_then_release_and_full_tail_syncs():
     h, truth = make(12, tail_pages=2)
     assert admit(h, truth, "r0", 3)  # page 0 optional, row 2 in tail page 1

@@ -230,12 +230,7 @@ class KVHierarchy:
         for parts in self.sources.values():
             rm = parts.residency
             rm.complete_populations()  # pending -> ready (published)
-            for rec in list(rm.requests.values()):
-                try:
-                    rm.tail.finish_backups(rec)  # backed tail pages leave the tail
-                    rm.tail.start_backups(rec)  # newly completed tail pages start their copy
-                except HostBackupError as e:
-                    self._failures[rec.req_id] = str(e)
+            self._failures.update(rm.tail.advance())
             for rid in [r for r in self._failures if r in self.requests]:
                 self.preempt(rid)
             rm.repopulate(self.config.repopulate_pages_per_step)

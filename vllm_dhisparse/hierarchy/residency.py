@@ -120,6 +120,10 @@ class ResidencyManager:
         self.tail = TailWriter(source, pool, host, self.counters)
         self._admissions = 0
         self._cursor = 0  # round-robin position of repopulation, persists across steps
+        # step() visits these, not every request: requests with copies in flight, and
+        # requests known to have no page to repopulate (until a reclaim changes that)
+        self._populating: dict[str, RequestPages] = {}
+        self._settled: set[str] = set()
 
     # -- accounting (eq. 3) ---------------------------------------------------------
     def required_pages(self) -> int:
@@ -168,6 +172,7 @@ class ResidencyManager:
         for pending in issued:
             self.host.complete_backup(pending)
         self.counters.host_pages_written += len(issued)
+        self._settled.discard(req_id)  # its dropped pages are eligible again
         # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
         for page in rec.optional:
             self.source.unpublish_page(req_id, page)
@@ -175,6 +180,7 @@ class ResidencyManager:
         pages = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
         rec.optional.clear()
         rec.pending.clear()
+        self._populating.pop(req_id, None)
         self.pool.free(pages)
         self.counters.requests_reclaimed += 1
         self.counters.pages_reclaimed += len(pages)
@@ -258,8 +264,9 @@ class ResidencyManager:
             i = self._cursor % len(order)
             self._cursor = i + 1
             rec = self.requests[order[i]]
-            page = self._next_eligible(rec)
+            page = None if rec.req_id in self._settled else self._next_eligible(rec)
             if page is None:
+                self._settled.add(rec.req_id)
                 idle += 1
                 continue
             idle = 0
@@ -268,6 +275,7 @@ class ResidencyManager:
             src = self.host.slice(rec.req_id, page * ps, ps)  # contiguous, pinned on CUDA
             dst = self.pool.plane_rows(self.pool.first_row(dev), ps)
             rec.pending[page] = PendingPage(dev, self.host.copies.to_device(dst, src))
+            self._populating[rec.req_id] = rec
             issued += 1
         return issued
 
@@ -279,12 +287,14 @@ class ResidencyManager:
         """Publishes pending pages whose copy has finished (polled: a copy still in flight
         stays pending, its rows served by hot cache / host meanwhile)."""
         done = 0
-        for rec in self.requests.values():
+        for rec in list(self._populating.values()):
             for page in sorted(page for page, p in rec.pending.items() if p.transfer.done()):
                 p = rec.pending.pop(page)
                 rec.optional[page] = p.device_page
                 self.source.publish_page(rec.req_id, page, self.pool.first_row(p.device_page))
                 done += 1
+            if not rec.pending:
+                del self._populating[rec.req_id]
         self.counters.pages_repopulated += done
         return done
 
@@ -296,6 +306,9 @@ class ResidencyManager:
             pending.transfer.wait()
         self._wait_populations(rec)
         del self.requests[req_id]
+        self._populating.pop(req_id, None)
+        self._settled.discard(req_id)
+        self.tail.forget(req_id)
         self.pool.free(rec.owned_pages())
         self.source.close_slot(req_id)
         self.host.free(req_id)

@@ -22,6 +22,10 @@ Life of a tail page:
 If ``append`` needs a page while all are bound, it backs up synchronously
 (``flush``) first; every bound page except the current one is complete then,
 so at least one page comes free.
+
+``step()`` visits only the requests in ``backing`` (``advance``): a request enters
+when an append completes one of its pages and leaves once none of its copies is in
+flight, so a step costs what the tails that changed cost, not one visit per request.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 
 from .device_pool import DevicePagePool
 from .devices import host_index
-from .host_store import HostStore
+from .host_store import HostBackupError, HostStore
 from .source_state import SourceState
 
 if TYPE_CHECKING:
@@ -46,12 +50,15 @@ class TailWriter:
         self.host = host
         self.counters = counters
         self.page_size = pool.page_size
+        # requests with complete tail pages not yet backed up, or copies in flight
+        self.backing: dict[str, "RequestPages"] = {}
 
     def append(self, rec: "RequestPages", rows: torch.Tensor) -> None:
         """Writes ``rows`` ([n, row_bytes] uint8) after the request's current last row."""
         src, ps = self.source, self.page_size
         n = rows.shape[0]
         pos = self._check_room(rec, n)
+        self._note_complete(rec, pos, pos + n)
         i = 0
         while i < n:
             page = pos // ps
@@ -71,6 +78,10 @@ class TailWriter:
             pos += take
             i += take
             src.set_seq_len(rec.req_id, pos)
+
+    def _note_complete(self, rec: "RequestPages", old_len: int, new_len: int) -> None:
+        if new_len // self.page_size > old_len // self.page_size:  # a page completed
+            self.backing[rec.req_id] = rec
 
     def _check_room(self, rec: "RequestPages", n: int) -> int:
         """The request's length, after checking ``n`` more rows fit its max_rows."""
@@ -121,6 +132,7 @@ class TailWriter:
             keep.append((first, n))
             lens[0].append(slot)
             lens[1].append(end)
+            self._note_complete(rec, end - n, end)
             first += n
         # device work first: if it raises, no request's pages or length changed (a page
         # published here holds rows at or past its length only, which nothing reads)
@@ -140,6 +152,26 @@ class TailWriter:
             except Exception as e:  # noqa: BLE001 -- e.g. its backup failed: it alone
                 failed[rec.req_id] = e
         return failed
+
+    def advance(self) -> dict[str, str]:
+        """``step()``'s part for the tails: for each request in ``backing``, finished copies
+        leave the tail and newly completed pages start theirs.  A failed backup is
+        returned per request (request -> error); the others proceed."""
+        failed = {}
+        for rec in list(self.backing.values()):
+            try:
+                self.finish_backups(rec)  # backed tail pages leave the tail
+                self.start_backups(rec)  # newly completed tail pages start their copy
+            except HostBackupError as e:
+                failed[rec.req_id] = str(e)
+                continue
+            if not rec.backups:
+                del self.backing[rec.req_id]
+        return failed
+
+    def forget(self, req_id: str) -> None:
+        """The request was released."""
+        self.backing.pop(req_id, None)
 
     def start_backups(self, rec: "RequestPages") -> int:
         """Issues host copies of complete tail pages not already in flight."""
