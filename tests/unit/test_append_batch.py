@@ -8,10 +8,10 @@ import torch
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.invariants import check_invariants
 
-SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=300, hot_rows=3,
-                tail_pages=2, max_slots=5, max_rows=40),
-           dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=300, hot_rows=2,
-                tail_pages=1, max_slots=5, max_rows=40, segments=(4, 1))]
+SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_rows=3,
+                tail_pages=2, max_slots=5, max_rows=80),
+           dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_rows=2,
+                tail_pages=1, max_slots=5, max_rows=80, segments=(4, 1))]
 
 
 def rows(n, width, seed):
@@ -25,7 +25,7 @@ def world():
     for i, rid in enumerate(["r0", "r1", "r2", "r3"]):
         imported = {s["name"]: rows(3 + 2 * i, s["row_bytes"], 10 * i + j)
                     for j, s in enumerate(SOURCES)}
-        assert h.admit(rid, 40, imported)
+        assert h.admit(rid, 80, imported)
         truth[rid] = {k: v.clone() for k, v in imported.items()}
     return h, truth
 
@@ -57,7 +57,7 @@ def test_batch_equals_one_append_per_request(seed):
     batch, _ = world()
     g = torch.Generator().manual_seed(seed)
     ids = ["r0", "r1", "r2", "r3"]
-    for step in range(14):
+    for step in range(24):
         for s in SOURCES:
             name, w = s["name"], s["row_bytes"]
             pick = [r for r in ids if torch.rand(1, generator=g).item() < 0.8]
@@ -74,13 +74,27 @@ def test_batch_equals_one_append_per_request(seed):
         if step % 3 != 2:  # some steps skip step(): tails fill up, the slow path flushes
             each.step()
             batch.step()
+        if step % 4 == 3:  # a request leaves, a new one takes its slot
+            gone = ids.pop(int(torch.randint(0, len(ids), (1,), generator=g)))
+            new = f"n{step}"
+            # about as long as the one that left: the slot's last tail page was at that length
+            imported = {s["name"]: rows(max(1, truth[gone][s["name"]].shape[0]
+                                            - int(torch.randint(0, 3, (1,), generator=g))),
+                                        s["row_bytes"], 7 * step + j)
+                        for j, s in enumerate(SOURCES)}
+            for h in (each, batch):
+                h.finish(gone)
+                assert h.admit(new, 80, {k: v.clone() for k, v in imported.items()})
+            truth.pop(gone)
+            truth[new] = imported
+            ids.append(new)
 
 
 def test_bad_input_changes_nothing():
     h, _ = world()
     before = state(h)
-    with pytest.raises(ValueError, match="'r1' has 5 rows; appending 36 exceeds its max_rows 40"):
-        h.append_batch("a", ["r0", "r1"], rows(37, 3, 0), [1, 36])
+    with pytest.raises(ValueError, match="'r1' has 5 rows; appending 76 exceeds its max_rows 80"):
+        h.append_batch("a", ["r0", "r1"], rows(77, 3, 0), [1, 76])
     with pytest.raises(ValueError, match="counts"):
         h.append_batch("a", ["r0", "r1"], rows(3, 3, 0), [1, 1])
     with pytest.raises(ValueError, match="do not split evenly"):

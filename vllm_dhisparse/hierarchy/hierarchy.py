@@ -68,6 +68,7 @@ class KVHierarchy:
                           + ", ".join(f"{s.name}: {s.host_rows} rows x {s.row_bytes} B" for s in specs)
                           + ")")
         self.copies = CopyStream(device)  # backups and repopulation overlap compute
+        self._last_active: dict[str, int] = {}  # request -> last step it produced rows
         self.sources: dict[str, SourceParts] = {}
         for s in specs:
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
@@ -81,7 +82,8 @@ class KVHierarchy:
             residency = ResidencyManager(
                 state, pool, host, tail_pages=s.tail_pages, staging_rows=s.staging_rows,
                 reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,
-                optional_residency=cfg.optional_residency, eager_backup=cfg.eager_backup)
+                optional_residency=cfg.optional_residency, eager_backup=cfg.eager_backup,
+                last_active=self._last_active)
             self.sources[s.name] = SourceParts(s, state, pool, host, resolver, residency)
         self.requests: dict[str, dict[str, int]] = {}  # req -> source -> max_rows
         self.step_index = 0
@@ -147,14 +149,14 @@ class KVHierarchy:
             rm.counters.reclaim_events += bool(plan.victims)
         try:
             for name, parts in self.sources.items():
-                rec = parts.residency.admit(req_id, limits[name], imported.get(name))
-                rec.last_active = self.step_index
+                parts.residency.admit(req_id, limits[name], imported.get(name))
         except Exception:  # all-or-nothing: undo the sources already admitted
             for parts in self.sources.values():
                 if req_id in parts.residency.requests:
                     parts.residency.release(req_id)
             raise
         self.requests[req_id] = limits
+        self._last_active[req_id] = self.step_index
         self.counters["admissions"] += 1
         return True
 
@@ -192,16 +194,13 @@ class KVHierarchy:
             raise ValueError(f"append_batch: counts {counts} must be one int >= 0 per request "
                              f"summing to the {rows.shape[0]} rows")
         rm = parts.residency
-        failed = rm.tail.append_batch([rm.request(r) for r in req_ids], rows, counts)
+        failed = rm.tail.append_batch(req_ids, rows, counts)
         self._touch(req_ids)
         return failed
 
     def _touch(self, req_ids: list[str]) -> None:
-        """The requests were active in this step (the reclaim order reads it), in every source."""
-        for p in self.sources.values():
-            requests = p.residency.requests
-            for r in req_ids:
-                requests[r].last_active = self.step_index
+        """The requests were active in this step (every source's reclaim order reads it)."""
+        self._last_active.update(dict.fromkeys(req_ids, self.step_index))
 
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):
@@ -255,6 +254,7 @@ class KVHierarchy:
         for parts in self.sources.values():
             parts.residency.release(req_id)
         del self.requests[req_id]
+        self._last_active.pop(req_id, None)
 
     # -- observability -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -60,7 +60,6 @@ class RequestPages:
     optional: dict[int, int] = field(default_factory=dict)  # history page -> device page (ready)
     pending: dict[int, PendingPage] = field(default_factory=dict)  # history page -> copy in flight
     backups: list = field(default_factory=list)  # [(tail history page, PendingBackup)]
-    last_active: int = 0
 
     @property
     def required_pages(self) -> int:
@@ -96,7 +95,9 @@ class ResidencyManager:
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
                  tail_pages: int, staging_rows: int = 0, reserve_pages: int = 0,
                  policy: str = "largest_first", optional_residency: bool = True,
-                 eager_backup: bool = False):
+                 eager_backup: bool = False, last_active: dict[str, int] | None = None):
+        """``last_active``: request -> last step it produced rows (the reclaim order reads
+        it); a hierarchy shares one among its sources."""
         ps = pool.page_size
         self.source, self.pool, self.host = source, pool, host
         self.page_size = ps
@@ -116,8 +117,9 @@ class ResidencyManager:
         self.optional_residency = optional_residency
         self.eager_backup = eager_backup
         self.requests: dict[str, RequestPages] = {}
+        self.last_active = {} if last_active is None else last_active
         self.counters = ResidencyCounters()
-        self.tail = TailWriter(source, pool, host, self.counters)
+        self.tail = TailWriter(source, pool, host, self.counters, self.requests)
         self._admissions = 0
         self._cursor = 0  # round-robin position of repopulation, persists across steps
         # step() visits these, not every request: requests with copies in flight, and
@@ -148,7 +150,8 @@ class ResidencyManager:
         if not self.host.can_allocate(max_rows):
             return None
         deficit = self.required_per_request + self.reserve - self.pool.num_free  # Δ
-        candidates = [ReclaimCandidate(r.req_id, r.admitted, r.last_active, r.held_optional)
+        candidates = [ReclaimCandidate(r.req_id, r.admitted, self.last_active.get(r.req_id, 0),
+                                       r.held_optional)
                       for r in self.requests.values()]
         victims = select_victims(self.policy, candidates, deficit)
         return None if victims is None else AdmissionPlan(deficit, victims)
@@ -205,6 +208,7 @@ class ResidencyManager:
                            hot, staging, tail[::-1])
         self._admissions += 1
         self.requests[req_id] = rec
+        self.tail.open(rec)
         if n:
             self._place_imported(rec, imported)
         return rec

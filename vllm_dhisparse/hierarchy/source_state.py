@@ -25,6 +25,7 @@ unpublishes pages through :meth:`publish_page` / :meth:`unpublish_page`.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .devices import canonical_device, host_index
@@ -55,7 +56,7 @@ class SourceState:
         self.hot_clock = torch.zeros(max_slots, **i32)
         self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
         self.seq_lens = torch.zeros(max_slots, **i32)
-        self._seq_len_host = [0] * max_slots
+        self._seq_len_host = np.zeros(max_slots, dtype=np.int64)
         self.host_base = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
@@ -102,6 +103,11 @@ class SourceState:
     def slot(self, req_id: str) -> int:
         return self._slot_of[self.require(req_id)]
 
+    def slot_array(self, req_ids) -> np.ndarray:
+        """Slots of ``req_ids`` on the host (the caller checked the ids).  # [N] int64"""
+        slot_of = self._slot_of
+        return np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+
     def slots(self, req_ids) -> torch.Tensor:
         return torch.tensor([self.slot(r) for r in req_ids], dtype=torch.int32, device=self.device)
 
@@ -125,10 +131,9 @@ class SourceState:
 
     def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
         """Lengths of many slots at once (callers check them): one write."""
-        if slots:
+        if len(slots):
             self.seq_lens[host_index(slots, self.device)] = host_index(rows, self.device).int()
-        for s, n in zip(slots, rows):
-            self._seq_len_host[s] = n
+            self._seq_len_host[np.asarray(slots, dtype=np.int64)] = rows
 
     def set_seq_len(self, req_id: str, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:
@@ -139,4 +144,11 @@ class SourceState:
         self._seq_len_host[slot] = rows
 
     def seq_len(self, req_id: str) -> int:
-        return self._seq_len_host[self.slot(req_id)]
+        return int(self._seq_len_host[self.slot(req_id)])
+
+    def seq_len_at(self, slot: int) -> int:
+        return int(self._seq_len_host[slot])
+
+    def seq_lens_of(self, slots: np.ndarray) -> np.ndarray:
+        """Host lengths of ``slots``.  # [N] int64"""
+        return self._seq_len_host[slots]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .device_pool import DevicePagePool
@@ -44,12 +45,19 @@ if TYPE_CHECKING:
 
 class TailWriter:
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore,
-                 counters: "ResidencyCounters"):
+                 counters: "ResidencyCounters", requests: dict[str, "RequestPages"]):
         self.source = source
         self.pool = pool
         self.host = host
         self.counters = counters
         self.page_size = pool.page_size
+        self._requests = requests  # the residency manager's, by request id
+        # per slot, on the host: max_rows, and the tail page holding the last row (history
+        # page, first device row; -1 = none), which append_batch writes into without
+        # planning while a request stays inside it
+        self._max_rows = np.zeros(source.max_slots, dtype=np.int64)
+        self._cur_page = np.full(source.max_slots, -1, dtype=np.int64)
+        self._cur_row = np.zeros(source.max_slots, dtype=np.int64)
         # requests with complete tail pages not yet backed up, or copies in flight
         self.backing: dict[str, "RequestPages"] = {}
 
@@ -78,6 +86,20 @@ class TailWriter:
             pos += take
             i += take
             src.set_seq_len(rec.req_id, pos)
+        if n:
+            self._set_current(src.slot(rec.req_id), rec)
+
+    def open(self, rec: "RequestPages") -> None:
+        """The request has just got its slot."""
+        slot = self.source.slot(rec.req_id)
+        self._max_rows[slot] = rec.max_rows
+        self._cur_page[slot] = -1
+
+    def _set_current(self, slot: int, rec: "RequestPages") -> None:
+        last = (self.source.seq_len_at(slot) - 1) // self.page_size
+        dev = rec.tail.get(last)
+        self._cur_page[slot] = -1 if dev is None else last
+        self._cur_row[slot] = 0 if dev is None else self.pool.first_row(dev)
 
     def _note_complete(self, rec: "RequestPages", old_len: int, new_len: int) -> None:
         if new_len // self.page_size > old_len // self.page_size:  # a page completed
@@ -91,60 +113,79 @@ class TailWriter:
                              f"rows; appending {n} exceeds its max_rows {rec.max_rows}")
         return pos
 
-    def append_batch(self, recs: list["RequestPages"], rows: torch.Tensor,
+    def append_batch(self, req_ids: list[str], rows: torch.Tensor,
                      counts: list[int]) -> dict[str, Exception]:
         """``append`` for many requests at once: ``counts[i]`` rows of ``rows`` ([T,
-        row_bytes] uint8, requests in order) go to ``recs[i]``.  The bookkeeping is host
-        work; the device sees one write of every row, one publish of the new tail pages
-        and one write of the lengths, in that order (bytes before they are published,
-        lengths last, as ``append``).  A request that needs a tail page while all of its
+        row_bytes] uint8, requests in order) go to ``req_ids[i]``.  The device sees one
+        write of every row, one publish of the new tail pages and one write of the
+        lengths, in that order (bytes before they are published, lengths last, as
+        ``append``).  Requests whose rows stay inside their current tail page (the
+        decode case, a page boundary every ``page_size`` rows) are planned on arrays;
+        the others page by page.  A request that needs a tail page while all of its
         pages wait for their backup takes ``append``'s synchronous path after the batch;
         what that path raises is returned per request (the others are appended)."""
         src, ps = self.source, self.page_size
-        for rec, n in zip(recs, counts):  # all checked before anything changes
-            self._check_room(rec, n)
-        dst, keep, slow, bind = [], [], [], []
-        pub, lens = ([], [], []), ([], [])
-        first = 0
-        for rec, n in zip(recs, counts):
-            pos = src.seq_len(rec.req_id)
+        slots = src.slot_array(req_ids)  # [N] int64
+        cnt = np.asarray(counts, dtype=np.int64).reshape(-1)  # [N]
+        lens = src.seq_lens_of(slots)  # [N]
+        end = lens + cnt
+        over = np.flatnonzero(end > self._max_rows[slots])
+        if over.size:  # all checked before anything changes
+            i = int(over[0])
+            raise ValueError(f"source {src.name!r}: request {req_ids[i]!r} has {int(lens[i])} "
+                             f"rows; appending {int(cnt[i])} exceeds its max_rows "
+                             f"{int(self._max_rows[slots[i]])}")
+        first = np.cumsum(cnt) - cnt  # [N] the request's first row in ``rows``
+        page = lens // ps
+        # inside the page the request is writing: one device row per row, no binding
+        fast = (cnt > 0) & ((end - 1) // ps == page) & (self._cur_page[slots] == page)
+        dst = np.full(rows.shape[0], -1, dtype=np.int64)  # [T] device row, -1 = not here
+        if fast.any():
+            f_cnt = cnt[fast]
+            within = np.arange(int(f_cnt.sum())) - np.repeat(np.cumsum(f_cnt) - f_cnt, f_cnt)
+            dst[np.repeat(first[fast], f_cnt) + within] = \
+                np.repeat(self._cur_row[slots[fast]] + lens[fast] % ps, f_cnt) + within
+        kept = cnt > 0
+        slow, bind = [], []
+        pub = ([], [], [])
+        for i in np.flatnonzero(kept & ~fast):
+            rec = self._requests[req_ids[i]]
+            pos, n, a = int(lens[i]), int(cnt[i]), int(first[i])
             new_pages = sum(p not in rec.tail for p in range(pos // ps, (pos + n - 1) // ps + 1))
             if new_pages > len(rec.tail_free):
-                slow.append((rec, first, n))
-                first += n
+                slow.append((rec, a, n))
+                kept[i] = False
                 continue
-            slot = src.slot(rec.req_id)
-            end = pos + n
             free = list(rec.tail_free)  # popped as append pops, bound after the device work
             planned = {}
-            while pos < end:
-                page = pos // ps
-                dev = rec.tail.get(page, planned.get(page))
+            stop = pos + n
+            while pos < stop:
+                pg = pos // ps
+                dev = rec.tail.get(pg, planned.get(pg))
                 if dev is None:
-                    dev = planned[page] = free.pop()
-                    bind.append((rec, page, dev))
-                    for lst, v in zip(pub, (slot, page, self.pool.first_row(dev))):
+                    dev = planned[pg] = free.pop()
+                    bind.append((rec, int(slots[i]), pg, dev))
+                    for lst, v in zip(pub, (int(slots[i]), pg, self.pool.first_row(dev))):
                         lst.append(v)
-                take = min(end - pos, ps - pos % ps)
-                start = self.pool.first_row(dev) + pos % ps
-                dst.extend(range(start, start + take))
+                take = min(stop - pos, ps - pos % ps)
+                row = self.pool.first_row(dev) + pos % ps
+                dst[a:a + take] = np.arange(row, row + take)
+                a += take
                 pos += take
-            keep.append((first, n))
-            lens[0].append(slot)
-            lens[1].append(end)
-            self._note_complete(rec, end - n, end)
-            first += n
         # device work first: if it raises, no request's pages or length changed (a page
         # published here holds rows at or past its length only, which nothing reads)
-        if dst:
-            data = rows if len(keep) == len(recs) else \
-                torch.cat([rows[a:a + n] for a, n in keep])
-            self.pool.write(host_index(dst, self.pool.device), data)
+        here = dst >= 0
+        if here.any():
+            data = rows if here.all() else rows[torch.from_numpy(here)]
+            self.pool.write(host_index(dst[here], self.pool.device), data)
         src.publish_pages(*pub)
-        src.set_seq_lens(*lens)
-        for rec, page, dev in bind:
+        src.set_seq_lens(slots[kept], end[kept])
+        for rec, slot, pg, dev in bind:
             rec.tail_free.remove(dev)
-            rec.tail[page] = dev
+            rec.tail[pg] = dev
+            self._set_current(slot, rec)
+        for i in np.flatnonzero(kept & (end // ps > page)):  # pages that completed
+            self.backing[req_ids[i]] = self._requests[req_ids[i]]
         failed = {}
         for rec, a, n in slow:
             try:
