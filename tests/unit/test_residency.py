@@ -254,6 +254,29 @@ def test_a_reclaimed_request_is_repopulated_again():
     verify_resolves(h, truth, "r0")
 
 
+def test_a_readmitted_request_resolves_through_its_new_slot():
+    """Resolving the same batch again reuses its slot tensor; a slot that closed and
+    opened in between must not leave a stale one (a would read c's rows)."""
+    h, truth = make(20)
+    ids = ["a", "b"]
+    assert admit(h, truth, "a", 4) and admit(h, truth, "b", 4)
+    sel = torch.arange(3, dtype=torch.int32).repeat(2, 1, 1)  # [2, 1, 3]
+    pool = h.sources["s"].pool
+
+    def check():
+        loc, _ = h.resolve("s", ids, sel)
+        for i, r in enumerate(ids):
+            assert torch.equal(pool.read(loc[i, 0].long()), truth[r]["s"][:3])
+
+    check()
+    h.finish("a")
+    truth.pop("a")
+    assert admit(h, truth, "c", 4)  # takes a's slot
+    assert admit(h, truth, "a", 5)
+    check()
+    check_invariants(h, truth)
+
+
 def test_tail_backup_then_release_and_full_tail_syncs():
     h, truth = make(12, tail_pages=2)
     assert admit(h, truth, "r0", 3)  # page 0 optional, row 2 in tail page 1

@@ -60,6 +60,7 @@ class SourceState:
         self.host_base = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
+        self._batch: tuple[tuple[str, ...], torch.Tensor] | None = None  # slots() of the last batch
 
     # -- slot lifecycle ---------------------------------------------------
     def open_slot(self, req_id: str, hot_device_rows: torch.Tensor, host_base: int) -> int:
@@ -73,6 +74,7 @@ class SourceState:
                              f"got {hot_device_rows.numel()}")
         slot = self._free_slots.pop()
         self._slot_of[req_id] = slot
+        self._batch = None
         self._reset(slot)
         self.hot_rows[slot] = hot_device_rows.to(self.hot_rows)
         self.host_base[slot] = host_base
@@ -80,6 +82,7 @@ class SourceState:
 
     def close_slot(self, req_id: str) -> None:
         slot = self._slot_of.pop(self.require(req_id))
+        self._batch = None
         self._reset(slot)
         self._free_slots.append(slot)
 
@@ -109,7 +112,14 @@ class SourceState:
         return np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
     def slots(self, req_ids) -> torch.Tensor:
-        return torch.tensor([self.slot(r) for r in req_ids], dtype=torch.int32, device=self.device)
+        """Slots of ``req_ids`` on the device.  # [N] int32
+        Every layer of a step resolves the same batch: the tensor of the last batch is kept
+        (read-only for callers) until a slot opens or closes."""
+        key = tuple(req_ids)
+        if self._batch is None or self._batch[0] != key:
+            slots = torch.tensor([self.slot(r) for r in key], dtype=torch.int32)
+            self._batch = (key, slots.to(self.device, non_blocking=True))
+        return self._batch[1]
 
     @property
     def open_requests(self) -> list[str]:
