@@ -68,6 +68,7 @@ class World:
         self.hot_clock = torch.randint(20, 30, (slots,), generator=g, dtype=torch.int32).to(DEVICE)
         self.hot_stamp = (self.hot_clock.cpu()[:, None] - torch.randint(
             0, 6, (slots, budget), generator=g, dtype=torch.int32)).to(DEVICE)
+        self.seq_lens = torch.tensor(self.lengths, dtype=torch.int32, device=DEVICE)
         self.ref = None
 
     def truth(self, slot, pos):
@@ -111,9 +112,10 @@ class World:
             sel[n] = rows.int()
         return sel.to(DEVICE)
 
-    def call(self, sel, slot_ids, *, check_bytes=True, context="", copy=None):
+    def call(self, sel, slot_ids, *, check_bytes=True, context="", copy=None, lens=False):
         """resolve vs resolve_reference on a shadow copy of the state; gather; byte check.
-        ``copy`` True / False: resolve copies the misses itself (fused / by gather_rows)."""
+        ``copy`` True / False: resolve copies the misses itself (fused / by gather_rows).
+        ``lens``: both get the slots' lengths (selections at or past them are invalid)."""
         if self.ref is None:
             self.ref = [t.clone() for t in self.state()]
         slot_t = torch.tensor(slot_ids, dtype=torch.int32, device=DEVICE)
@@ -121,12 +123,13 @@ class World:
         tail = (self.staging_rows, self.host_base)
         rows = {} if copy is None else dict(host_rows=self.host_rows, device_rows=self.device_rows,
                                             fused_copy=copy)
+        bound = dict(seq_lens=self.seq_lens) if lens else {}
         got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.hot_stamp,
                       self.hot_clock, self.hot_slot_of, *tail, **rows,
-                      num_device_rows=self.n_dev_rows)
+                      num_device_rows=self.n_dev_rows, **bound)
         hp, stamp, clock, hs = self.ref
         want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, stamp, clock, hs, *tail,
-                                 num_device_rows=self.n_dev_rows)
+                                 num_device_rows=self.n_dev_rows, **bound)
         ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
             else f" ({context}; slots {slot_ids})"
         for name, a, b in zip(OUTPUT_NAMES, got, want):
@@ -137,13 +140,14 @@ class World:
             locations, miss_src, miss_dst, miss_count, _ = got
             if copy is None:
                 gather_rows(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
-            self.check_bytes(sel, slot_ids, locations, ctx)
+            self.check_bytes(sel, slot_ids, locations, ctx, lens=lens)
             self.check_cache(ctx)
         return got
 
-    def check_bytes(self, sel, slot_ids, locations, ctx=""):
+    def check_bytes(self, sel, slot_ids, locations, ctx="", lens=False):
         for n, s in enumerate(slot_ids):
-            valid = sel[n] >= 0
+            limit = min(max(int(self.seq_lens[s]), 0), self.P) if lens else self.P
+            valid = (sel[n] >= 0) & (sel[n] < limit)
             assert_same("locations of padding", locations[n][~valid],
                         torch.full_like(locations[n][~valid], -1), ctx)
             got = self.device_rows[locations[n][valid].long()]

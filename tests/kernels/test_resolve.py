@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_dhisparse.triton_kernels import resolve
-from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
+from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
+                                                     COUNTER_HOT, COUNTER_INVALID, NUM_COUNTERS)
 
 from resolve_world import DEVICE, STATE_NAMES, World, assert_same  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_mixed_direct_hot_host_with_growing_direct_coverage():
     w.make_direct(0, [11])  # tail page
     w.make_direct(1, [0, 5, 11])
     w.warm(2, [3, 7, 8, 20, 41])
-    counts = torch.zeros(5, dtype=torch.int64)
+    counts = torch.zeros(NUM_COUNTERS, dtype=torch.int64)
     for step in range(5):
         sel = w.selections([2, 0, 1], 3, 4)
         _, _, _, _, counters = w.call(sel, [2, 0, 1], context=f"step {step}")
@@ -221,6 +222,37 @@ def test_fused_copy_reads_early_words(early, step, monkeypatch):
     w.warm(0, [1, 2, 3])
     for i in range(3):
         w.call(w.selections([0, 2], 2, 8, dup=0.2), [0, 2], context=f"step {i}", copy=True)
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_selections_past_the_length_read_nothing(many, monkeypatch):
+    """With the slots' lengths, a selection at or past its request's length (or below -1)
+    is padding: location -1, no host read, no hot-cache change, counted as invalid; the
+    same calls without the lengths resolve them (they are inside P).  A corrupt length
+    only moves the bound within [0, P]."""
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    if many:
+        monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
+        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
+        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    w = World(budget=6, width=12, positions=40, slots=3, batch=2, lengths=[40, 17, 9])
+    w.make_direct(1, [0])
+    w.warm(2, [1, 2])
+    sel = w.selections([1, 2], 2, 6, pad=0.1, dup=0.2)
+    sel[0, 0, 0] = -5
+    sel[0, 1, :3] = torch.tensor([17, 39, 16], dtype=torch.int32)  # 16 is the last written
+    sel[1, 1, :3] = torch.tensor([9, 30, 12], dtype=torch.int32)
+    got = w.call(sel, [1, 2], lens=True, copy=True)
+    counters = got[4]
+    for n, (s, length) in enumerate([(1, 17), (2, 9)]):
+        bad = (sel[n] < -1) | (sel[n] >= length)
+        assert int(counters[n, COUNTER_INVALID]) == int(bad.sum()) > 0
+        assert bool((got[0][n][bad] == -1).all())
+    w.seq_lens[1] = -3  # corrupt: nothing of slot 1 is readable
+    w.seq_lens[2] = 1000  # corrupt: the bound stays P
+    again = w.call(sel, [1, 2], lens=True, copy=True)
+    assert int(again[4][0, COUNTER_INVALID]) == int((sel[0] != -1).sum())
+    assert int(again[4][1, COUNTER_INVALID]) == int((sel[1] < -1).sum())
 
 
 def test_many_programs_path(monkeypatch):

@@ -181,7 +181,7 @@ def test_padding_and_out_of_range_slot_ids(slot_id, repairs, path):
     got = w.call(sel, slots, check_bytes=False, copy=copy)
     assert bool((got[0][BAD_ROW] == -1).all())
     assert int(got[3][BAD_ROW]) == 0 and bool((got[2][BAD_ROW] == -1).all())
-    assert got[4][BAD_ROW].tolist() == [0, 0, 0, 0, repairs]
+    assert got[4][BAD_ROW].tolist() == [0, 0, 0, 0, repairs, 0]
     others = [r for r in range(len(SLOTS)) if r != BAD_ROW]
     for name, a, b in zip(OUTPUTS, got, want):
         assert_same(f"{name} of the real rows", a[others], b[others])
@@ -260,7 +260,7 @@ def test_no_slots_at_all_every_row_is_padding():
                 staging_rows=torch.zeros(2, 0, dtype=torch.int32, device=DEVICE),
                 **_tables(0, 4, 8, 2))
     got = _direct_call(args, num_device_rows=16)
-    assert got[4].tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+    assert got[4].tolist() == [[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0]]
 
 
 def test_pool_smaller_than_a_page():

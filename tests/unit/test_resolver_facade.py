@@ -3,7 +3,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST, COUNTER_HOT
+from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
+                                                     COUNTER_HOT, COUNTER_INVALID)
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.invariants import check_invariants
 
@@ -98,6 +99,23 @@ def test_bounds_check_is_one_pass_and_one_sync(setup):
     assert len(full) == 1 and len(syncs) == 1, log.ops
 
 
+def test_unvalidated_selections_past_the_length_read_nothing(setup):
+    """validate=False skips the synchronising bounds check: a selection past the
+    request's length (here inside r_dev's own host extent and inside r_host's) is not
+    refused but reads nothing, and is counted; the valid ones are exact."""
+    h, truth = setup
+    s = torch.tensor([[[3, 7, 29, -4]], [[12, 13, 0, -1]]], dtype=torch.int32)
+    loc, c = h.resolve("s", ["r_dev", "r_host"], s, validate=False)
+    assert loc[0, 0].tolist()[1:] == [-1, -1, -1] and loc[1, 0, 1] == -1
+    assert c[:, COUNTER_INVALID].tolist() == [3, 1]
+    ok = torch.tensor([[[3, -1, -1, -1]], [[12, -1, 0, -1]]], dtype=torch.int32)
+    verify_exact(h, truth, ["r_dev", "r_host"], ok, torch.where(ok >= 0, loc, -1))
+    assert h.sources["s"].resolver.totals().invalid_selections == 4
+    with pytest.raises(IndexError, match="selection 7"):
+        h.resolve("s", ["r_dev"], s[:1])
+    check_invariants(h, truth)
+
+
 def test_unknown_request_and_source(setup):
     h, _ = setup
     with pytest.raises(KeyError, match="'ghost'"):
@@ -119,14 +137,14 @@ def test_direct_hot_host_paths_are_exact(setup):
     s = sel([0, 5, 12, -1])  # r_host: rows 0, 5 from host, 12 in the tail
     loc, c = h.resolve("s", ["r_host"], s)
     verify_exact(h, truth, ["r_host"], s, loc)
-    assert c[0].tolist() == [1, 0, 2, 2, 0]  # direct, hot, host, fetched, repairs
+    assert c[0].tolist() == [1, 0, 2, 2, 0, 0]  # direct, hot, host, fetched, repairs, invalid
     loc, c = h.resolve("s", ["r_host"], s)  # now hot hits, nothing fetched
     verify_exact(h, truth, ["r_host"], s, loc)
-    assert c[0].tolist() == [1, 2, 0, 0, 0]
+    assert c[0].tolist() == [1, 2, 0, 0, 0, 0]
     both = torch.tensor([[[3, 4, 6, 1]], [[0, 6, 3, -1]]], dtype=torch.int32)
     loc, c = h.resolve("s", ["r_dev", "r_host"], both)  # r_dev: pages 0, 1 optional, row 6 tail
     verify_exact(h, truth, ["r_dev", "r_host"], both, loc)
-    assert c[0].tolist() == [4, 0, 0, 0, 0] and c[1].tolist() == [0, 1, 2, 2, 0]
+    assert c[0].tolist() == [4, 0, 0, 0, 0, 0] and c[1].tolist() == [0, 1, 2, 2, 0, 0]
     check_invariants(h, truth)
 
 

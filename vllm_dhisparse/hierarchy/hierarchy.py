@@ -204,7 +204,7 @@ class KVHierarchy:
 
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):
-        """``(locations [N, K, k] int32, counters [N, 4] int32)``; see ``Resolver.resolve``.
+        """``(locations [N, K, k] int32, counters [N, 6] int32)``; see ``Resolver.resolve``.
 
         Without ``staging_rows``, requests use their reserved staging pages
         (``SourceSpec.staging_rows``) when K*k exceeds B.

@@ -15,7 +15,8 @@ import torch
 
 from vllm_dhisparse.triton_kernels import reference
 from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
-                                                     COUNTER_HOT, COUNTER_REPAIRS, NUM_COUNTERS)
+                                                     COUNTER_HOT, COUNTER_INVALID, COUNTER_REPAIRS,
+                                                     NUM_COUNTERS)
 
 from .devices import same_device
 from .source_state import SourceState
@@ -55,6 +56,8 @@ class ResolverTotals:
     verify_fetched: int = 0
     # out-of-range table entries the resolver degraded to empty (0 unless state was corrupt)
     state_repairs: int = 0
+    # selections outside [-1, length) read as padding (0 unless a caller skipped validation)
+    invalid_selections: int = 0
 
 
 class Resolver:
@@ -131,10 +134,12 @@ class Resolver:
 
     def resolve(self, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):
-        """Returns ``(locations [N, K, k] int32, counters [N, 5] int32)``.
+        """Returns ``(locations [N, K, k] int32, counters [N, 6] int32)``.
 
         Rows at the returned locations equal the requests' original rows (eq. 12)
-        as soon as this returns (stream-ordered on CUDA).
+        as soon as this returns (stream-ordered on CUDA).  Without ``validate`` (no host
+        synchronisation) a selection outside ``[-1, length)`` is not refused: it reads
+        nothing, gets location -1 and is counted (``invalid_selections``).
         """
         src = self.source
         if validate:
@@ -150,16 +155,14 @@ class Resolver:
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
-        rows = self.planes[0][1].shape[0]
+        bounds = dict(num_device_rows=self.planes[0][1].shape[0], seq_lens=src.seq_lens)
         if self.backend == "triton" and len(self.planes) == 1:
             # one plane: the resolve launch copies the misses itself (fused when K*k is
             # small, else it launches the gather)
             locations, _, _, _, counters = self._resolve(
-                *args, host_rows=self.host_rows, device_rows=self.planes[0][1],
-                num_device_rows=rows)
+                *args, host_rows=self.host_rows, device_rows=self.planes[0][1], **bounds)
         else:
-            locations, miss_src, miss_dst, miss_count, counters = self._resolve(
-                *args, num_device_rows=rows)
+            locations, miss_src, miss_dst, miss_count, counters = self._resolve(*args, **bounds)
             for start, plane in self.planes:  # one gather per plane; host rows are whole
                 self._gather(self.host_rows[:, start:start + plane.shape[1]], plane,
                              miss_src, miss_dst, miss_count)
@@ -177,4 +180,5 @@ class Resolver:
             calls=self._calls, selections=t[COUNTER_DIRECT] + t[COUNTER_HOT] + t[COUNTER_HOST],
             direct=t[COUNTER_DIRECT], hot=t[COUNTER_HOT], host=t[COUNTER_HOST],
             fetched=t[COUNTER_FETCHED], bytes_fetched=t[COUNTER_FETCHED] * self.source.row_bytes,
-            verify_host_selections=v[0], verify_fetched=v[1], state_repairs=t[COUNTER_REPAIRS])
+            verify_host_selections=v[0], verify_fetched=v[1], state_repairs=t[COUNTER_REPAIRS],
+            invalid_selections=t[COUNTER_INVALID])

@@ -7,7 +7,12 @@ requests (the batch dimension) but are vectorised within a request.
 Resolution contract (paper eq. 2, 6, 12), for one KV source:
 
 * ``selections[n, j, i]`` is the i-th selected request-local row of query j of
-  batch row n; negative or ``>= P`` (P = ``hot_slot_of.shape[1]``) is padding.
+  batch row n; -1 is padding.  A selection outside ``[-1, L)`` is invalid: it is
+  treated as padding (location -1, nothing read) and counted in
+  ``counters[n, COUNTER_INVALID]``.  L is ``seq_lens[s]`` (clamped to ``[0, P]``) when
+  the slots' lengths are given, else P = ``hot_slot_of.shape[1]``; with the lengths a
+  selection can never reach a row the request has not written, so a caller that
+  skips its own bounds check still reads nothing outside the request.
   ``slot_ids[n]`` names the request slot; -1 marks a padding row (CUDA-graph
   padding): every location is -1, counters are 0 and no state is touched.
 * Lookup order per selection: direct map (tail + ready optional history,
@@ -58,8 +63,9 @@ from __future__ import annotations
 import torch
 
 # Columns of the per-row counter tensor returned by the resolver.
-COUNTER_DIRECT, COUNTER_HOT, COUNTER_HOST, COUNTER_FETCHED, COUNTER_REPAIRS = range(5)
-NUM_COUNTERS = 5
+(COUNTER_DIRECT, COUNTER_HOT, COUNTER_HOST, COUNTER_FETCHED, COUNTER_REPAIRS,
+ COUNTER_INVALID) = range(6)
+NUM_COUNTERS = 6
 
 
 def resolve_reference(
@@ -76,6 +82,7 @@ def resolve_reference(
     host_base: torch.Tensor,  # [S] int64 host row of each slot's row 0
     *,
     num_device_rows: int,  # R: rows of the device pool (bounds of page_table entries)
+    seq_lens: torch.Tensor | None = None,  # [S] int32 rows written per slot (bounds selections)
 ):
     """Returns ``(locations, miss_src, miss_dst, miss_count, counters)``.
 
@@ -83,7 +90,8 @@ def resolve_reference(
     miss_src   [N, K*k]  int64   host rows to copy (first miss_count[n] valid)
     miss_dst   [N, K*k]  int32   device rows they go to
     miss_count [N]       int32
-    counters   [N, 5]    int32   direct / hot / host selections, distinct fetched, repairs
+    counters   [N, 6]    int32   direct / hot / host selections, distinct fetched, repairs,
+                                 invalid selections
     """
     n_batch, n_queries, top_k = selections.shape
     dev = selections.device
@@ -104,7 +112,9 @@ def resolve_reference(
             counters[n, COUNTER_REPAIRS] = int(slot != -1)
             continue
         sel = selections[n].reshape(-1).long()  # [K*k]
-        valid = (sel >= 0) & (sel < max_pos)
+        limit = max_pos if seq_lens is None else min(max(int(seq_lens[slot]), 0), max_pos)
+        valid = (sel >= 0) & (sel < limit)
+        invalid = int(((sel < -1) | (sel >= limit)).sum())
         pos = torch.where(valid, sel, 0)
         loc = torch.full((width,), -1, dtype=torch.int64, device=dev)
 
@@ -177,6 +187,7 @@ def resolve_reference(
         counters[n, COUNTER_HOST] = int(host.sum())
         counters[n, COUNTER_FETCHED] = n_miss
         counters[n, COUNTER_REPAIRS] = repairs
+        counters[n, COUNTER_INVALID] = invalid
         locations[n] = loc.view(n_queries, top_k).to(locations.dtype)
     return locations, miss_src, miss_dst, miss_count, counters
 

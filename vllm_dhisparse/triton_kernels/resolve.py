@@ -45,8 +45,9 @@ Requests in a batch must have distinct slots (the programs update per-slot state
 without synchronisation); slot -1 is a padding row.  Bounds: every index read
 from page_table, hot_slot_of and hot_pos is range-checked as the reference
 specifies (out-of-range entries degrade to empty and are counted in column 4 of
-the counters); stamps and clocks are never indices; selections outside [0, P)
-are padding.
+the counters); stamps and clocks are never indices; a selection outside [-1, L) is
+padding and counted in column 5, L being the slot's length when ``seq_lens`` is given,
+else P.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ import triton.language as tl
 from .gather import check_rows, gather_rows, word_views
 from .reference import NUM_COUNTERS
 
+_COUNTERS = tl.constexpr(NUM_COUNTERS)  # columns of counters
 _INT32_MAX = 2**31 - 1
 _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
@@ -127,17 +129,19 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 @triton.jit
 def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row, hot_rows_row,
-            max_pos, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
+            limit, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
     """Phase 1 lookups of selections ``j`` on the entry state; writes no state table,
     only the lanes' locations and keys (host: pos, hit: -2 - pos, else -1).
 
     Every table entry is range-checked before it is used as an index: a page_table
     entry outside {-1} u [0, R - PAGE_SIZE] is a page not ready, a hot_slot_of entry
-    is a hit only when it is a slot whose hot_pos points back at the row.  Returns the
-    lanes' position, hot_slot_of entry, location, key (host: pos, hit: -2 - pos,
-    else -1), hit and host masks, and the chunk's direct, hot, host and repair counts."""
+    is a hit only when it is a slot whose hot_pos points back at the row.  A selection
+    outside [-1, limit) reads nothing and is counted as invalid.  Returns the lanes'
+    position, hot_slot_of entry, hit and host masks, and the chunk's direct, hot, host,
+    repair and invalid counts."""
     sel = tl.load(sel_row + j, mask=m, other=-1)
-    valid = m & real & (sel >= 0) & (sel < max_pos)
+    valid = m & real & (sel >= 0) & (sel < limit)
+    invalid = m & real & ((sel < -1) | (sel >= limit))
     pos = tl.where(valid, sel, 0)
     page = pos // PAGE_SIZE
     # hot_slot_of is read in parallel with the page table (one dependent step less)
@@ -155,12 +159,14 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_ro
     loc = tl.where(direct, pt + pos % PAGE_SIZE, tl.where(hot, hot_row, -1))
     tl.store(loc_row + j, loc, mask=m)
     tl.store(key_ptr + j, tl.where(host, pos, tl.where(hot, -2 - pos, -1)), mask=m)
-    # one reduction for four counts; a chunk holds at most BLOCK_W <= 2**12 selections
-    packed = tl.sum(direct.to(tl.int64) + (hot.to(tl.int64) << 13) + (host.to(tl.int64) << 26)
-                    + ((pt_bad.to(tl.int64) + hso_bad.to(tl.int64)) << 39))
-    return (pos, v, hot, host, (packed & 0x1FFF).to(tl.int32),
-            ((packed >> 13) & 0x1FFF).to(tl.int32), ((packed >> 26) & 0x1FFF).to(tl.int32),
-            (packed >> 39).to(tl.int32))
+    # one reduction for five counts; a chunk holds at most BLOCK_W <= 2**11 selections
+    # (12 bits a count, repairs up to two per selection)
+    packed = tl.sum(direct.to(tl.int64) + (hot.to(tl.int64) << 12) + (host.to(tl.int64) << 24)
+                    + (invalid.to(tl.int64) << 36)
+                    + ((pt_bad.to(tl.int64) + hso_bad.to(tl.int64)) << 48))
+    return (pos, v, hot, host, (packed & 0xFFF).to(tl.int32),
+            ((packed >> 12) & 0xFFF).to(tl.int32), ((packed >> 24) & 0xFFF).to(tl.int32),
+            (packed >> 48).to(tl.int32), ((packed >> 36) & 0xFFF).to(tl.int32))
 
 
 @triton.jit
@@ -289,11 +295,12 @@ def _resolve_kernel(
     hot_slot_of_ptr, hot_slot_of_stride, max_pos,  # [S, P] int32 (updated)
     staging_ptr, staging_stride,  # [N, C] int32
     host_base_ptr,  # [S] int64
+    seq_lens_ptr,  # [S] int32 (LENS): rows written per slot, the bound of selections
     loc_ptr,  # [N, W] int32 out
     miss_src_ptr,  # [N, W] int64 out
     miss_dst_ptr,  # [N, W] int32 out
     miss_count_ptr,  # [N] int32 out
-    counters_ptr,  # [N, 5] int32 out
+    counters_ptr,  # [N, 6] int32 out
     scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX]: key | miss pos | owner
     copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
     W, B,
@@ -304,6 +311,7 @@ def _resolve_kernel(
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
     EARLY_ELEMS: tl.constexpr,  # words read from host before phase 3 (COPY and ONE_B only)
+    LENS: tl.constexpr,  # seq_lens given: selections at or past a slot's length are invalid
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
@@ -326,31 +334,37 @@ def _resolve_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
     now = tl.load(clock_ptr + slot, mask=real, other=0) + 1  # this call's stamp (wraps)
+    limit = max_pos
+    if LENS:  # a corrupt length only narrows or widens the bound within [0, P]
+        written = tl.load(seq_lens_ptr + slot, mask=real, other=0)
+        limit = tl.minimum(tl.maximum(written, 0), max_pos)
 
     # 1a. lookups on the entry state: direct -> hot -> host (no state table written yet)
     n_direct = 0
     n_hot = 0
     n_host = 0
+    n_invalid = 0
     repairs = (slot_id != -1) & ~real
     repairs = repairs.to(tl.int32)
     if ONE_CHUNK:
         j = offs_w
         m = j < W
-        pos, v, hot, host, n_direct, n_hot, n_host, rep1 = _lookup(
+        pos, v, hot, host, n_direct, n_hot, n_host, rep1, n_invalid = _lookup(
             sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
-            hot_rows_row, max_pos, B, loc_row, key_ptr, PAGE_SIZE)
+            hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
         repairs += rep1
     else:
         for w0 in range(0, W, BLOCK_W):
             jc = w0 + offs_w
             mc = jc < W
-            _, vc, _, _, n_dir_c, n_hot_c, n_host_c, n_rep_c = _lookup(
+            _, vc, _, _, n_dir_c, n_hot_c, n_host_c, n_rep_c, n_inv_c = _lookup(
                 sel_row, jc, mc, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
-                hot_rows_row, max_pos, B, loc_row, key_ptr, PAGE_SIZE)
+                hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
             tl.store(mj_ptr + jc, vc, mask=mc)  # entry values for 1b (mj is free until phase 2)
             n_direct += n_dir_c
             n_hot += n_hot_c
             n_host += n_host_c
+            n_invalid += n_inv_c
             repairs += n_rep_c
     tl.debug_barrier()  # every lookup (and the clock) read the entry state before any write
     tl.store(clock_ptr + slot, now, mask=real & (n_hot + n_host > 0))
@@ -524,12 +538,13 @@ def _resolve_kernel(
                              COPY_ELEMS)
 
     tl.store(miss_count_ptr + n, n_miss)
-    counters_row = counters_ptr + n * 5
+    counters_row = counters_ptr + n * _COUNTERS
     tl.store(counters_row + 0, n_direct)
     tl.store(counters_row + 1, n_hot)
     tl.store(counters_row + 2, n_host)
     tl.store(counters_row + 3, n_miss)
     tl.store(counters_row + 4, repairs)
+    tl.store(counters_row + 5, n_invalid)
 
 
 def _interpreting() -> bool:
@@ -581,7 +596,7 @@ def fuses_copy(width: int, fused_copy=None) -> bool:
 
 def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_stamp,
             hot_clock, hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
-            fused_copy=None, *, num_device_rows=None):
+            fused_copy=None, *, num_device_rows=None, seq_lens=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
 
     ``num_device_rows`` (R, the bound of page_table entries) defaults to
@@ -632,6 +647,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
         raise ValueError(f"staging_rows must have >= N = {n_batch} rows (one per batch row), "
                          f"got shape {list(staging_rows.shape)}")
     _check("host_base", host_base, torch.int64, (n_slots,), dev)
+    if seq_lens is not None:
+        _check("seq_lens", seq_lens, torch.int32, (n_slots,), dev)
     if hot_slot_of.shape[1] >= _INT32_MAX:
         raise ValueError(f"hot_slot_of.shape[1] must be < {_INT32_MAX}, got {hot_slot_of.shape[1]}")
     if width >= _MAX_WIDTH:
@@ -673,6 +690,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
     # SMs: small chunks, so that two CTAs fit an SM
     one_wave = n_batch <= _sm_count(dev)
     block_w = min(_BLOCK_W if one_wave else _MANY_BLOCK_W, triton.next_power_of_2(max(width, 1)))
+    assert block_w <= 2048, "phase 1 packs five counts of a chunk into 12 bits each"
     b_pad = triton.next_power_of_2(max(budget, 1))
     if one_wave and b_pad <= _ONE_BLOCK_B:
         block_b = b_pad
@@ -703,6 +721,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             hot_slot_of, hot_slot_of.stride(0), hot_slot_of.shape[1],
             staging_rows, staging_rows.stride(0),
             host_base,
+            slot_ids if seq_lens is None else seq_lens,
             locations, miss_src, miss_dst, miss_count, counters,
             scratch, max(scratch.stride(0), 1),
             copy_src, copy_dst,
@@ -716,6 +735,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
             EARLY_ELEMS=_EARLY_ELEMS if fused and budget <= block_b else 0,
+            LENS=seq_lens is not None,
             num_warps=warps,
             num_stages=1,
             **extra,
