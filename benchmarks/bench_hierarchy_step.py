@@ -14,7 +14,11 @@ and one on each other source, then ``step()`` (backups, repopulation).  Selectio
 have locality: a fixed working set per session and layer (hot after its first
 use) plus ``--miss`` of k fresh rows per call from the non-resident history
 (host misses), the rest from the rows the device holds; the fractions the
-hierarchy actually resolved are reported next to them.
+hierarchy actually resolved are reported next to them.  ``--validate call`` (default)
+bounds-checks the selections in every resolve call, as ``KVHierarchy.resolve`` does
+by default (a host synchronisation per call); ``--validate step`` resolves without
+it (the kernel bounds each selection by its request's length) and reads the
+sources' invalid-selection counts once per step.
 
 Checked first, per batch size: for the first steps every location of every sampled
 session reads its original row (eq. 12), from the pool bytes against the imported
@@ -115,9 +119,12 @@ def selections(cfg, plan, n_rows: int, miss: float, step: int, dev) -> torch.Ten
 
 def check_locations(h, source: str, ids: list, sel: torch.Tensor, loc: torch.Tensor, truth,
                     sample: int) -> str | None:
-    pool = h.source(source).pool
+    parts = h.source(source)
+    pool = parts.pool
     for i in range(min(sample, len(ids))):
-        valid = sel[i] >= 0
+        valid = (sel[i] >= 0) & (sel[i] < parts.state.seq_len(ids[i]))
+        if bool((loc[i][~valid] != -1).any()):
+            return f"{source}: session {ids[i]} has a location for a padding or invalid selection"
         got = pool.read(loc[i][valid].long())
         want = truth[source][i, sel[i][valid].long()]
         if not torch.equal(got.to(want.device), want):
@@ -163,11 +170,15 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
     for (s, layer), plan in plans.items():
         sel = selections(cfg, plan, n_hist, miss, step_no * 16 + layer, dev) if check else \
             plan[3][step_no % len(plan[3])]
-        loc, _ = h.resolve(s, ids, sel)
+        loc, _ = h.resolve(s, ids, sel, validate=cfg["validate"] == "call")
         if check and err is None:
             err = check_locations(h, s, ids, sel, loc, truth, cfg["check_sessions"])
     t2 = time.perf_counter()
     h.step()
+    if cfg["validate"] == "step":  # the bounds check of the whole step: one host read
+        bad = {s: n for s, n in h.invalid_selections().items() if n}
+        if bad and err is None:
+            err = f"invalid selections (resolved as padding): {bad}"
     sync()
     t3 = time.perf_counter()
     times["append"].append(t1 - t0)
@@ -202,8 +213,10 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             e0.record()
         t0 = time.perf_counter()
         with SyncCounter() as sc:
-            decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times)
+            err = decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times)
         t1 = time.perf_counter()
+        if err:
+            errors.append(err)
         if step < cfg["warmup"]:
             continue
         wall.append(t1 - t0)
@@ -243,9 +256,14 @@ def main(argv=None) -> int:
     ap.add_argument("--compress", type=int, default=4, help="decode steps per appended row")
     ap.add_argument("--append", choices=("batch", "each"), default="batch",
                     help="one append_batch per source, or one append per session and source")
+    ap.add_argument("--validate", choices=("call", "step"), default="call",
+                    help="bounds check of the selections: per resolve call (refuses before the "
+                         "kernels run, one host synchronisation per call), or once per step "
+                         "(the kernels bound every selection by its request's length)")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
-    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append)
+    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append,
+               validate=args.validate)
     if args.batches:
         cfg["batches"] = tuple(args.batches)
     if args.history:

@@ -11,10 +11,11 @@ sys.path.insert(0, str(BENCH))
 import bench_hierarchy_step as B  # noqa: E402
 
 
-def test_smoke_run_checks_then_reports(tmp_path):
+@pytest.mark.parametrize("validate", ["call", "step"])
+def test_smoke_run_checks_then_reports(tmp_path, validate):
     pytest.importorskip("matplotlib")
     out = tmp_path / "hs"
-    assert B.main(["--smoke", "--batches", "2", "--name", str(out)]) == 0
+    assert B.main(["--smoke", "--batches", "2", "--validate", validate, "--name", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     (point,) = result["points"]
     assert point["errors"] == [] and point["bytes_fetched_per_step"] > 0
@@ -36,3 +37,18 @@ def test_a_wrong_location_fails_the_run(tmp_path, monkeypatch):
         return parts
     monkeypatch.setattr(B.KVHierarchy, "source", shifted)
     assert B.main(["--smoke", "--batches", "2", "--name", str(tmp_path / "hs")]) == 1
+
+
+def test_invalid_selections_fail_a_run_that_checks_once_per_step(tmp_path, monkeypatch):
+    """--validate step resolves without the per-call check: a selection past its
+    request's length must still fail the run (through the per-step count)."""
+    pytest.importorskip("matplotlib")
+    make = B.selections
+
+    def past_the_end(cfg, plan, n_rows, *a):
+        sel = make(cfg, plan, n_rows, *a)
+        sel[0, 0, 0] = n_rows + 1000
+        return sel
+    monkeypatch.setattr(B, "selections", past_the_end)
+    assert B.main(["--smoke", "--batches", "2", "--validate", "step",
+                   "--name", str(tmp_path / "hs")]) == 1

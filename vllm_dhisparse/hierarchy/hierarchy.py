@@ -234,6 +234,13 @@ class KVHierarchy:
                 self.preempt(rid)
             rm.repopulate(self.config.repopulate_pages_per_step)
 
+    def invalid_selections(self) -> dict[str, int]:
+        """Cumulative selections outside ``[-1, length)`` per source, which calls with
+        ``validate=False`` resolved as padding: one host read for all sources (a caller
+        that skips the per-call check looks here once per step)."""
+        counts = torch.stack([p.resolver.invalid_count for p in self.sources.values()]).tolist()
+        return dict(zip(self.sources, counts))
+
     def take_failures(self) -> dict[str, str]:
         """Requests released by ``step`` because a host backup failed (request -> error)."""
         out, self._failures = self._failures, {}

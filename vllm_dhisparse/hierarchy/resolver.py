@@ -173,6 +173,12 @@ class Resolver:
         self._calls += 1
         return locations, counters
 
+    @property
+    def invalid_count(self) -> torch.Tensor:
+        """Cumulative invalid selections, on the device (reading it waits for the device).
+        # [] int64"""
+        return self._totals[COUNTER_INVALID]
+
     def totals(self) -> ResolverTotals:
         t = self._totals.tolist()
         v = self._verify.tolist()
