@@ -224,6 +224,42 @@ def test_fused_copy_reads_early_words(early, step, monkeypatch):
         w.call(w.selections([0, 2], 2, 8, dup=0.2), [0, 2], context=f"step {i}", copy=True)
 
 
+@pytest.mark.parametrize("layout, early, fused", [("one_block", 4, True), ("one_block", 2048, True),
+                                                  ("many_programs", 0, True),
+                                                  ("one_block", 0, False)])
+def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
+    """Rows stored as two byte planes (as DeepSeek-V4's 576 + 8): the resolve launch
+    copies into both (fused, early words included) or gathers each plane; the planes
+    read together equal the host rows."""
+    resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
+    monkeypatch.setattr(resolve_module, "_EARLY_ELEMS", early)
+    monkeypatch.setattr(resolve_module, "_COPY_ELEMS", 8)
+    if layout == "many_programs":
+        monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
+        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
+        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    w = World(budget=6, width=12, positions=40, slots=3, batch=2, row_bytes=24, staging_extra=2)
+    storage = torch.zeros(w.n_dev_rows * 24, dtype=torch.uint8, device=DEVICE)
+    # 12 + 12 bytes: 4-byte words, three in each plane
+    planes = [storage[:w.n_dev_rows * 12].view(-1, 12), storage[w.n_dev_rows * 12:].view(-1, 12)]
+    w.warm(0, [1, 2, 3])
+    for p, (a, b) in zip(planes, [(0, 12), (12, 24)]):
+        p.copy_(w.device_rows[:, a:b])
+    for step in range(3):
+        sel = w.selections([0, 2], 2, 6, dup=0.2)
+        st = [t.clone() for t in w.state()]
+        got = resolve(sel, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), w.page_table,
+                      w.page_size, w.hot_pos, w.hot_rows, w.hot_stamp, w.hot_clock,
+                      w.hot_slot_of, w.staging_rows, w.host_base, host_rows=w.host_rows,
+                      device_rows=planes, fused_copy=fused)
+        for t, old in zip(w.state(), st):  # replay the call on World's own rows as the oracle
+            t.copy_(old)
+        want = w.call(sel, [0, 2], copy=True, context=f"step {step}")
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert torch.equal(torch.cat(planes, 1), w.device_rows), f"step {step}"
+
+
 @pytest.mark.parametrize("many", [False, True])
 def test_selections_past_the_length_read_nothing(many, monkeypatch):
     """With the slots' lengths, a selection at or past its request's length (or below -1)

@@ -102,15 +102,25 @@ def check_rows(host_rows, device_rows) -> None:
                          f"it must be on {dev} like device_rows, or in pinned CPU memory")
 
 
-def word_views(host_rows, device_rows):
-    """(src, dst, row_elems): both row tensors as the widest common word, or None
-    when there is nothing to copy (zero-width rows)."""
+def plane_views(host_rows, planes):
+    """(src, dsts, row_elems): host rows and device planes (consecutive column ranges of
+    a row, in order) as the widest word that divides every width, row stride and
+    address, or None when there is nothing to copy (zero-width rows)."""
     row_bytes = host_rows.shape[1] * host_rows.element_size()
     if row_bytes == 0:
         return None
-    word = _WORDS[min(_word_size(host_rows, row_bytes), _word_size(device_rows, row_bytes))]
-    src, dst = _bytes(host_rows).view(word), _bytes(device_rows).view(word)
-    return src, dst, row_bytes // src.element_size()
+    size = _word_size(host_rows, row_bytes)
+    for p in planes:
+        size = min(size, _word_size(p, p.shape[1] * p.element_size()))
+    word = _WORDS[size]
+    return _bytes(host_rows).view(word), [_bytes(p).view(word) for p in planes], row_bytes // size
+
+
+def word_views(host_rows, device_rows):
+    """(src, dst, row_elems): both row tensors as the widest common word, or None
+    when there is nothing to copy (zero-width rows)."""
+    views = plane_views(host_rows, [device_rows])
+    return None if views is None else (views[0], views[1][0], views[2])
 
 
 def gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count, blocks_per_row=None):

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather import check_rows, gather_rows, word_views
+from .gather import check_rows, gather_rows, plane_views
 from .reference import NUM_COUNTERS
 
 _COUNTERS = tl.constexpr(NUM_COUNTERS)  # columns of counters
@@ -273,14 +273,22 @@ def _host_words(miss_src_row, n_elems, e0, copy_src_ptr, SRC_STRIDE: tl.constexp
 
 
 @triton.jit
-def _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, DST_STRIDE: tl.constexpr,
+def _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, copy_dst2_ptr,
+                 DST_STRIDE: tl.constexpr, DST2_STRIDE: tl.constexpr, SPLIT: tl.constexpr,
                  ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr):
-    """Stores ``_host_words``' words at the miss list's device rows."""
+    """Stores ``_host_words``' words at the miss list's device rows: words below SPLIT
+    in the first plane, the rest in the second (rows stored as two byte planes)."""
     e = e0 + tl.arange(0, COPY_ELEMS)
     me = e < n_elems
     r = e // ROW_ELEMS
+    c = e - r * ROW_ELEMS
     dst = tl.load(miss_dst_row + r, mask=me, other=0).to(tl.int64)
-    tl.store(copy_dst_ptr + dst * DST_STRIDE + (e - r * ROW_ELEMS), val, mask=me)
+    if SPLIT < ROW_ELEMS:
+        lo = c < SPLIT
+        tl.store(copy_dst_ptr + dst * DST_STRIDE + c, val, mask=me & lo)
+        tl.store(copy_dst2_ptr + dst * DST2_STRIDE + (c - SPLIT), val, mask=me & ~lo)
+    else:
+        tl.store(copy_dst_ptr + dst * DST_STRIDE + c, val, mask=me)
 
 
 @triton.jit
@@ -302,13 +310,14 @@ def _resolve_kernel(
     miss_count_ptr,  # [N] int32 out
     counters_ptr,  # [N, 6] int32 out
     scratch_ptr, scratch_stride,  # [N, 2W + SORT_MAX]: key | miss pos | owner
-    copy_src_ptr, copy_dst_ptr,  # fused copy (COPY): host / device rows as words
+    copy_src_ptr, copy_dst_ptr, copy_dst2_ptr,  # fused copy (COPY): host rows, device planes
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # W <= BLOCK_W: phase 1 keeps its lookups in registers
     ONE_B: tl.constexpr,  # B <= BLOCK_B: phase 3 keeps the slot's stamps in registers
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
+    DST2_STRIDE: tl.constexpr, SPLIT: tl.constexpr,  # words of a row in the first plane
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
     EARLY_ELEMS: tl.constexpr,  # words read from host before phase 3 (COPY and ONE_B only)
     LENS: tl.constexpr,  # seq_lens given: selections at or past a slot's length are invalid
@@ -495,8 +504,8 @@ def _resolve_kernel(
             tl.store(loc_row + owner, stage, mask=ms)
         if EARLY_ELEMS > 0:
             tl.debug_barrier()  # miss_dst written by other threads
-            _store_words(first, miss_dst_row, n_miss * ROW_ELEMS, 0, copy_dst_ptr, DST_STRIDE,
-                         ROW_ELEMS, EARLY_ELEMS)
+            _store_words(first, miss_dst_row, n_miss * ROW_ELEMS, 0, copy_dst_ptr, copy_dst2_ptr,
+                         DST_STRIDE, DST2_STRIDE, SPLIT, ROW_ELEMS, EARLY_ELEMS)
     for r0 in range(n_miss // BLOCK_W * BLOCK_W, W, BLOCK_W):  # unused tail: 0 / -1
         r = r0 + offs_w
         mt = (r >= n_miss) & (r < W)
@@ -534,8 +543,8 @@ def _resolve_kernel(
             for e0 in range(EARLY_ELEMS, n_elems, COPY_ELEMS):
                 val = _host_words(miss_src_row, n_elems, e0, copy_src_ptr, SRC_STRIDE, ROW_ELEMS,
                                   COPY_ELEMS)
-                _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, DST_STRIDE, ROW_ELEMS,
-                             COPY_ELEMS)
+                _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, copy_dst2_ptr,
+                             DST_STRIDE, DST2_STRIDE, SPLIT, ROW_ELEMS, COPY_ELEMS)
 
     tl.store(miss_count_ptr + n, n_miss)
     counters_row = counters_ptr + n * _COUNTERS
@@ -599,11 +608,14 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             fused_copy=None, *, num_device_rows=None, seq_lens=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
 
-    ``num_device_rows`` (R, the bound of page_table entries) defaults to
-    ``device_rows.shape[0]`` when the rows are given; one of the two is required.
+    ``num_device_rows`` (R, the bound of page_table entries) defaults to the device
+    rows' count when they are given; one of the two is required.
 
     With ``host_rows`` and ``device_rows`` it also copies the misses (what
-    ``gather_rows`` of the returned miss list would do, byte for byte): inside
+    ``gather_rows`` of the returned miss list would do, byte for byte).
+    ``device_rows`` is one tensor of whole rows or a list of byte planes (consecutive
+    column ranges of a row, in order, e.g. 576 + 8 bytes); one or two planes are copied
+    inside
     the resolve kernel (each program copies its own misses right after
     assigning their destinations; no second launch) when ``fused_copy`` is true,
     or by a ``gather_rows`` launch when false; ``None`` fuses when
@@ -657,7 +669,8 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
         if device_rows is None:
             raise ValueError("num_device_rows (rows of the device pool, the bound of page_table "
                              "entries) is required when device_rows is not given")
-        num_device_rows = device_rows.shape[0]
+        first_plane = device_rows[0] if isinstance(device_rows, (list, tuple)) else device_rows
+        num_device_rows = first_plane.shape[0]
     if isinstance(num_device_rows, bool) or not isinstance(num_device_rows, numbers.Integral) \
             or not 0 <= num_device_rows <= _INT32_MAX:
         raise ValueError(f"num_device_rows must be an int in [0, {_INT32_MAX}], "
@@ -669,14 +682,32 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
 
     copy = host_rows is not None or device_rows is not None
     views = None
+    planes, cols = [], []
     if copy:
         if host_rows is None or device_rows is None:
             raise ValueError("host_rows and device_rows must be given together")
-        check_rows(host_rows, device_rows)
-        if device_rows.device != dev:
-            raise ValueError(f"device_rows is on {device_rows.device}; it must be on {dev} "
-                             f"(the device of selections)")
-        views = word_views(host_rows, device_rows)
+        planes = list(device_rows) if isinstance(device_rows, (list, tuple)) else [device_rows]
+        if not planes or not all(isinstance(p, torch.Tensor) and p.dim() == 2 for p in planes):
+            raise ValueError("device_rows must be a 2-D tensor or a list of 2-D byte planes")
+        if len(planes) > 1 and not (isinstance(host_rows, torch.Tensor) and host_rows.dim() == 2):
+            raise ValueError("host_rows must be a 2-D tensor [rows, width] when device_rows is a "
+                             "list of planes")
+        if len(planes) > 1 and sum(p.shape[1] for p in planes) != host_rows.shape[1]:
+            raise ValueError(f"device_rows planes of widths {[p.shape[1] for p in planes]} must "
+                             f"sum to the host row width {host_rows.shape[1]}")
+        start = 0
+        for p in planes:
+            cols.append((start, start + p.shape[1]))
+            start += p.shape[1]
+            check_rows(host_rows if len(planes) == 1 else host_rows[:, cols[-1][0]:cols[-1][1]], p)
+            if p.device != dev:
+                raise ValueError(f"device_rows is on {p.device}; it must be on {dev} "
+                                 f"(the device of selections)")
+            if p.shape[0] != planes[0].shape[0]:
+                raise ValueError(f"device_rows planes must have the same rows, got "
+                                 f"{[q.shape[0] for q in planes]}")
+        if len(planes) <= 2:
+            views = plane_views(host_rows, planes)
     fused = copy and views is not None and fuses_copy(width, fused_copy)
 
     locations = torch.empty(selections.shape, dtype=torch.int32, device=dev)
@@ -699,11 +730,14 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
     sort_max = max(16, triton.next_power_of_2(max(width, 1)))
     scratch = torch.empty(n_batch, 2 * width + sort_max, dtype=torch.int32, device=dev)
     if fused:
-        copy_src, copy_dst, row_elems = views
+        copy_src, dsts, row_elems = views
+        copy_dst, copy_dst2 = dsts[0], dsts[-1]
         src_stride, dst_stride = copy_src.stride(0), copy_dst.stride(0)
+        dst2_stride = copy_dst2.stride(0)
+        split = copy_dst.shape[1] if len(dsts) == 2 else row_elems
     else:
-        copy_src, copy_dst, row_elems = miss_src, miss_src, 1
-        src_stride = dst_stride = 1
+        copy_src, copy_dst, copy_dst2, row_elems, split = miss_src, miss_src, miss_src, 1, 1
+        src_stride = dst_stride = dst2_stride = 1
     warps = _num_warps(sort_max)
     extra = {}
     if not one_wave and _MANY_MAXNREG and dev.type == "cuda":
@@ -724,7 +758,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             slot_ids if seq_lens is None else seq_lens,
             locations, miss_src, miss_dst, miss_count, counters,
             scratch, max(scratch.stride(0), 1),
-            copy_src, copy_dst,
+            copy_src, copy_dst, copy_dst2,
             width, budget,
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
@@ -733,6 +767,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             ONE_B=budget <= block_b,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
+            DST2_STRIDE=dst2_stride, SPLIT=split,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
             EARLY_ELEMS=_EARLY_ELEMS if fused and budget <= block_b else 0,
             LENS=seq_lens is not None,
@@ -741,5 +776,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             **extra,
         )
     if copy and not fused:
-        gather_rows(host_rows, device_rows, miss_src, miss_dst, miss_count)
+        for (a, b), p in zip(cols, planes):
+            gather_rows(host_rows if len(planes) == 1 else host_rows[:, a:b], p, miss_src,
+                        miss_dst, miss_count)
     return locations, miss_src, miss_dst, miss_count, counters
