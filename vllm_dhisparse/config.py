@@ -38,6 +38,18 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
     "spec": (str, "", SPEC_PRESETS, "speculative preset the engine must run ('' = whatever its "
              "speculative_config says): dspark or dflash2 (vllm_dhisparse.spec)"),
+    # prefill/decode handoff (kv_role kv_producer / kv_consumer; ignored by kv_both)
+    "handoff_host": (str, "127.0.0.1", None, "kv_producer: address its handoff side channel binds "
+                     "and advertises to decode instances (remote_host)"),
+    "handoff_port": (int, 5790, 1, "kv_producer: TCP port of its handoff side channel (one per "
+                     "prefill engine on a host)"),
+    "handoff_lease_s": (float, 30.0, 0.1, "kv_producer: seconds a captured handoff waits to be "
+                        "pulled before it is freed"),
+    "handoff_buffer_gib": (float, 4.0, 0.0, "kv_producer: host memory for handoffs not pulled yet; "
+                           "a capture beyond it is refused (the decode side then fails or "
+                           "recomputes per kv_load_failure_policy)"),
+    "handoff_timeout_s": (float, 30.0, 0.1, "kv_consumer: seconds to wait for a producer's answer "
+                          "before the load fails"),
 }
 
 # Fault injection for the E2E tests, read from the environment of the vLLM process, never
@@ -84,6 +96,11 @@ class DHiSparseConfig:
     resolver_backend: str = "auto"
     stats_file: str = ""
     spec: str = ""
+    handoff_host: str = "127.0.0.1"
+    handoff_port: int = 5790
+    handoff_lease_s: float = 30.0
+    handoff_buffer_gib: float = 4.0
+    handoff_timeout_s: float = 30.0
 
     def __post_init__(self):
         for key, (typ, _, allowed, _help) in _FIELDS.items():
@@ -102,6 +119,9 @@ class DHiSparseConfig:
             if isinstance(allowed, tuple) and value not in allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: allowed "
                                  f"values are {list(allowed)}")
+            if key == "handoff_port" and value > 65535:
+                raise ValueError(f"kv_connector_extra_config['handoff_port'] = {value}: not a TCP "
+                                 f"port (1..65535)")
             if isinstance(allowed, (int, float)) and not isinstance(allowed, bool) and value < allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: must be >= {allowed}")
         if 0 < self.device_window_tokens < 256:
