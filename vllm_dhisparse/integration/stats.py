@@ -289,7 +289,10 @@ def summarize(worker: "WorkerSide") -> dict:
                step=st["step"], admitted=st["admitted"],
                device_pool_bytes=worker.device_pool_bytes,
                host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
+    tot["prompt_tokens_computed"] = worker.prompt_tokens_computed
     out = dict(totals=tot, sources=st["sources"])
+    if worker.handoff is not None:
+        out["handoff"] = worker.handoff.summary()
     if worker.spec_sizes is not None:
         out["spec"] = worker.spec_sizes
     return out
