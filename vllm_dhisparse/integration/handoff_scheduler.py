@@ -62,7 +62,7 @@ class HandoffScheduler:
 
     # -- producer ------------------------------------------------------------------------
     def on_new_request(self, request: "Request") -> None:
-        params = request.kv_transfer_params or {}
+        params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("do_remote_decode") and not self.producer:
             self._warn_role("do_remote_decode", request)
         elif params.get("do_remote_decode"):
@@ -88,7 +88,7 @@ class HandoffScheduler:
     # -- consumer ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
+        params = getattr(request, "kv_transfer_params", None) or {}
         if not params.get("do_remote_prefill"):
             return 0, False
         rid = request.request_id

@@ -29,9 +29,10 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 class SchedulerSide:
-    def __init__(self, max_model_len: int, handoff: HandoffScheduler):
+    def __init__(self, max_model_len: int, handoff: HandoffScheduler | None = None):
         self.max_model_len = max_model_len
-        self.handoff = handoff
+        # kv_both (one instance serving alone) without one: P/D parameters are ignored
+        self.handoff = handoff or HandoffScheduler("kv_both", None, "", None)
         self._requests: dict[str, "Request"] = {}
         self._prefilled: set[str] = set()  # prefill complete (until preempted)
         self._finished: set[str] = set()
