@@ -192,7 +192,9 @@ class HandoffCounters:
     tokens_loaded: int = 0
     rows_device: int = 0  # c4a rows admitted on device (the rest went to host)
     rows_host: int = 0
-    seconds: list[float] = field(default_factory=list)  # per load: pull + checks + writes
+    loads: int = 0  # loads ended (received + failed)
+    # per load: pull + checks + writes; drained by the metrics collector (stats.py)
+    seconds: list[float] = field(default_factory=list)
 
 
 class HandoffWorker:
@@ -253,6 +255,8 @@ class HandoffWorker:
                 except Exception as e:  # noqa: BLE001 -- this request fails, no other
                     job.error = f"handoff {hid!r}: admission failed: {type(e).__name__}: {e}"
             done.add(rid)
+            self.counters.loads += 1
+            self.counters.seconds.append(job.seconds)
             if job.error is not None:
                 failed.add(rid)
                 self.counters.failed += 1
@@ -262,7 +266,6 @@ class HandoffWorker:
             c.received += 1
             c.bytes_received += job.nbytes
             c.tokens_loaded += job.item.num_tokens
-            c.seconds.append(job.seconds)
         self.ready = waiting
         return done, failed
 
@@ -273,6 +276,5 @@ class HandoffWorker:
             c.captured, c.sent, c.expired = s.captured, s.pulled, s.expired
             c.refused, c.bytes_sent = s.refused, s.bytes_sent
         out = {k: v for k, v in c.__dict__.items() if k != "seconds"}
-        out["loads"] = len(c.seconds)
         out["held"] = self.producer.store.held if self.producer is not None else 0
         return out
