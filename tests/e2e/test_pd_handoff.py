@@ -130,6 +130,13 @@ def test_decode_from_handoff_matches_resident(demo_model, producer, resident, tm
     assert h["rows_host"] > 0 and h["rows_host"] + h["rows_device"] == 2 * sum(LENS) // 4, h
     assert t["host"] > 0 and t["fetched"] > 0, t
     assert t["admissions"] == len(LENS)
+    # vLLM's own prompt-token sources and the handoff metrics (its Prometheus path) agree
+    m = got["pd_metrics"]
+    assert m["vllm:prompt_tokens_by_source|local_compute"] <= len(LENS), m
+    assert m["vllm:prompt_tokens_by_source|external_kv_transfer"] >= sum(LENS) - len(LENS), m
+    assert m["vllm:dhisparse_handoffs_received"] == len(LENS), m
+    assert m["vllm:dhisparse_handoff_bytes_received"] == h["bytes_received"], m
+    assert m["vllm:dhisparse_handoff_seconds"] == len(LENS), m  # one load-time sample each
 
 
 def test_first_token_matches_resident_last_token_alone(demo_model, producer, tmp_path):
@@ -149,6 +156,7 @@ def test_without_params_decode_computes_the_prompt(demo_model, resident):
     assert_same_outputs(got, resident)
     assert got["stats"]["totals"]["prompt_tokens_computed"] == sum(LENS)
     assert got["stats"]["handoff"]["received"] == 0
+    assert got["pd_metrics"]["vllm:prompt_tokens_by_source|local_compute"] == sum(LENS)
 
 
 def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident, tmp_path):

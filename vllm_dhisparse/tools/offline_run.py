@@ -78,6 +78,8 @@ def build_llm(args, stats_file: str | None):
     if args.spec:
         kw["speculative_config"] = json.loads(args.spec)
         kw["disable_log_stats"] = False  # the acceptance counters are vLLM's stats
+    if args.kv_role != "kv_both":
+        kw["disable_log_stats"] = False  # prompt token sources and handoff metrics
     return LLM(**kw)
 
 
@@ -151,6 +153,21 @@ def spec_metrics(llm) -> dict:
             value = getattr(m, "value", None)
             out[m.name.removeprefix("vllm:spec_decode_")] = \
                 value if value is not None else list(getattr(m, "values", []) or [])
+    return out
+
+
+def pd_metrics(llm) -> dict:
+    """vLLM's prompt-token sources (local compute vs external transfer) and the connector's
+    handoff metrics, as the Prometheus path reports them; empty without log stats."""
+    out = {}
+    if not llm.llm_engine.log_stats:
+        return out
+    for m in llm.get_metrics():
+        if m.name.startswith(("vllm:prompt_tokens_by_source", "vllm:dhisparse_handoff")):
+            key = m.name + "".join(f"|{v}" for k, v in sorted(m.labels.items())
+                                   if k == "source")
+            value = getattr(m, "value", None)
+            out[key] = value if value is not None else getattr(m, "count", None)
     return out
 
 
@@ -305,6 +322,7 @@ def main(argv=None) -> int:
                   max_decode_blocks_per_group=getattr(generate_stepwise, "max_decode_blocks", None),
                   max_blocks_per_group=getattr(generate_stepwise, "max_blocks", None),
                   kv_groups=kv_groups(llm), spec_metrics=spec_metrics(llm),
+                  pd_metrics=pd_metrics(llm),
                   prefix_caching=bool(vc.cache_config.enable_prefix_caching),
                   chunked_prefill=bool(vc.scheduler_config.enable_chunked_prefill),
                   max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
