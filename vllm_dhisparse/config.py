@@ -41,8 +41,9 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     # prefill/decode handoff (kv_role kv_producer / kv_consumer; ignored by kv_both)
     "handoff_host": (str, "127.0.0.1", None, "kv_producer: address its handoff side channel binds "
                      "and advertises to decode instances (remote_host)"),
-    "handoff_port": (int, 5790, 1, "kv_producer: TCP port of its handoff side channel (one per "
-                     "prefill engine on a host)"),
+    "handoff_port": (int, 5790, 0, "kv_producer: TCP port of its handoff side channel (one per "
+                     "prefill engine on a host); 0 = a free port the OS picks (the worker "
+                     "reports it to its scheduler through vLLM's handshake metadata)"),
     "handoff_lease_s": (float, 30.0, 0.1, "kv_producer: seconds a captured handoff waits to be "
                         "pulled before it is freed"),
     "handoff_buffer_gib": (float, 4.0, 0.0, "kv_producer: host memory for handoffs not pulled yet; "
@@ -121,7 +122,7 @@ class DHiSparseConfig:
                                  f"values are {list(allowed)}")
             if key == "handoff_port" and value > 65535:
                 raise ValueError(f"kv_connector_extra_config['handoff_port'] = {value}: not a TCP "
-                                 f"port (1..65535)")
+                                 f"port (0..65535)")
             if isinstance(allowed, (int, float)) and not isinstance(allowed, bool) and value < allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: must be >= {allowed}")
         if 0 < self.device_window_tokens < 256:

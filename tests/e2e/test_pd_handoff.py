@@ -50,9 +50,9 @@ class Producer:
     serves pulls until ``stop``."""
 
     def __init__(self, model, tmp):
-        self.port = free_port()
         self.stop_file = str(tmp / "stop")
-        cfg = {"handoff_port": self.port, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
+        # port 0: the worker binds a free port and reports it through vLLM's handshake
+        cfg = {"handoff_port": 0, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
         cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
                *args(max_tokens=[1]), "--repeat", "3", "--kv-role", "kv_producer",
                "--remote-decode", "--hold-until", self.stop_file, "--connector", json.dumps(cfg)]

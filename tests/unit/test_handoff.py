@@ -73,6 +73,22 @@ def test_transport_round_trip_unknown_id_and_dead_producer():
         pull("127.0.0.1", free_port(), "gone", timeout_s=0.3)
 
 
+def test_port_zero_binds_a_free_port_that_the_scheduler_advertises():
+    store = HandoffStore(lease_s=30.0, capacity_bytes=2**30)
+    server = HandoffServer(store, "127.0.0.1", 0)
+    try:
+        assert server.port > 0 and server.address.endswith(f":{server.port}")
+        store.put(make_handoff("p0"))
+        verify_same(make_handoff("p0"), pull("127.0.0.1", server.port, "p0", timeout_s=5)[0])
+    finally:
+        server.close()
+    prod = HandoffScheduler("kv_producer", DHiSparseConfig(handoff_port=0), "e", kv_config())
+    prod.set_address("127.0.0.1", server.port)  # what the worker's handshake says
+    r = request("p-2", {"do_remote_decode": True})
+    prod.on_new_request(r)
+    assert prod.request_finished(r, prefilled=True)["remote_port"] == server.port
+
+
 def test_server_expires_leases_on_its_own():
     store = HandoffStore(lease_s=0.1, capacity_bytes=2**30)
     server = HandoffServer(store, "127.0.0.1", free_port())

@@ -31,7 +31,7 @@ from vllm_dhisparse.spec import check_engine, ring_sizes
 from . import deepseek_v4, scheduler_hooks
 from .draft_ring import ring_block_size
 from .handoff_scheduler import HandoffScheduler
-from .metadata import DHiSparseMetadata, DHiSparseWorkerMetadata
+from .metadata import DHiSparseHandshake, DHiSparseMetadata, DHiSparseWorkerMetadata
 from .model_probe import find_sparse_layers, require_sparse_indexer
 from .pool_sizing import max_queries
 from .scheduler_side import SchedulerSide
@@ -125,6 +125,22 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if self.dhisparse_worker is None:
             return set(), set()
         return self.dhisparse_worker.transfer_results()
+
+    def get_handshake_metadata(self) -> DHiSparseHandshake | None:
+        """kv_producer: the side channel's address, for the scheduler's kv_transfer_params."""
+        pd = self.dhisparse_worker.handoff if self.dhisparse_worker is not None else None
+        if pd is None or pd.producer is None:
+            return None
+        server = pd.producer.server
+        return DHiSparseHandshake(server.host, server.port)
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        if len(metadata) > 1:
+            raise ValueError("DHiSparseConnector P/D supports one worker per engine (tensor "
+                             f"parallel size 1); got handshakes from ranks {sorted(metadata)}")
+        for meta in metadata.values():
+            if isinstance(meta, DHiSparseHandshake):
+                self.handoff.set_address(meta.host, meta.port)
 
     def build_connector_worker_meta(self):
         """Requests the worker failed this step (the scheduler ends them with an error)."""

@@ -48,6 +48,8 @@ class HandoffScheduler:
         self.consumer = kv_role == "kv_consumer"
         self.cfg = cfg
         self.engine_id = engine_id
+        # the side channel's address; handoff_port 0 is replaced by the worker's handshake
+        self.address = (cfg.handoff_host, cfg.handoff_port) if cfg is not None else None
         groups = range(len(kv_cache_config.kv_cache_groups)) if kv_cache_config else ()
         c4a = c4a_group_ids(kv_cache_config) if kv_cache_config else set()
         # The load restores every group but the c4a one (its history goes into the
@@ -81,9 +83,12 @@ class HandoffScheduler:
         n = request.num_prompt_tokens
         return dict(do_remote_prefill=True, do_remote_decode=False,
                     remote_engine_id=self.engine_id, remote_request_id=rid,
-                    remote_host=self.cfg.handoff_host, remote_port=self.cfg.handoff_port,
+                    remote_host=self.address[0], remote_port=self.address[1],
                     remote_block_ids=None, remote_num_tokens=n, tp_size=1,
                     **{NAMESPACE: dict(handoff_id=hid, num_tokens=n)})
+
+    def set_address(self, host: str, port: int) -> None:
+        self.address = (host, port)
 
     # -- consumer ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request",

@@ -84,12 +84,17 @@ class HandoffServer:
 
     def __init__(self, store: HandoffStore, host: str, port: int):
         self.store = store
+        self.host, self.port = host, port
         self.address = f"tcp://{host}:{port}"
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
-            self._sock.bind(self.address)
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+                self.address = f"tcp://{host}:{self.port}"
+            else:
+                self._sock.bind(self.address)
         except zmq.ZMQError as e:
             self._sock.close()
             raise ValueError(f"kv_producer: cannot bind the handoff side channel {self.address} "

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
 
@@ -49,6 +50,14 @@ class DHiSparseMetadata(KVConnectorMetadata):
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
     loads: list[LoadItem] = field(default_factory=list)  # kv_consumer: loads to start
+
+
+@dataclass
+class DHiSparseHandshake(KVConnectorHandshakeMetadata):
+    """kv_producer worker -> its scheduler at start-up: where the side channel listens
+    (the port the OS picked when ``handoff_port`` is 0)."""
+    host: str
+    port: int
 
 
 @dataclass
