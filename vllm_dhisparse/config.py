@@ -40,7 +40,8 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
              "speculative_config says): dspark or dflash2 (vllm_dhisparse.spec)"),
     # prefill/decode handoff (kv_role kv_producer / kv_consumer; ignored by kv_both)
     "handoff_host": (str, "127.0.0.1", None, "kv_producer: address its handoff side channel binds "
-                     "and advertises to decode instances (remote_host)"),
+                     "and advertises to decode instances (remote_host); 'auto' = this node's "
+                     "address as vLLM sees it (VLLM_HOST_IP, else the primary interface)"),
     "handoff_port": (int, 5790, 0, "kv_producer: TCP port of its handoff side channel (one per "
                      "prefill engine on a host); 0 = a free port the OS picks (the worker "
                      "reports it to its scheduler through vLLM's handshake metadata)"),

@@ -156,3 +156,10 @@ def test_config_rejects_bad_port():
         DHiSparseConfig.from_extra_config({"handoff_port": 70000})
     with pytest.raises(ValueError, match="valid keys"):
         DHiSparseConfig.from_extra_config({"handoff_prot": 1})
+
+
+def test_auto_host_is_the_nodes_address(monkeypatch):
+    from vllm_dhisparse.integration.handoff_worker import resolve_host
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    assert resolve_host("auto") == "127.0.0.1"
+    assert resolve_host("10.1.2.3") == "10.1.2.3"

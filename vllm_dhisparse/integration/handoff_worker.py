@@ -63,12 +63,20 @@ class KVLayout:
         return [i for i in range(n) if block_ids[i] != NULL_BLOCK]
 
 
+def resolve_host(host: str) -> str:
+    """``auto``: the node's address as vLLM sees it, so one config serves every node."""
+    if host != "auto":
+        return host
+    from vllm.utils.network_utils import get_ip
+    return get_ip()
+
+
 class Producer:
     def __init__(self, cfg, layout: KVLayout, c4a_rows):
         self.layout = layout
         self.c4a_rows = c4a_rows  # (layer name, block ids, first n rows) -> [n, row_bytes]
         self.store = HandoffStore(cfg.handoff_lease_s, int(cfg.handoff_buffer_gib * 2**30))
-        self.server = HandoffServer(self.store, cfg.handoff_host, cfg.handoff_port)
+        self.server = HandoffServer(self.store, resolve_host(cfg.handoff_host), cfg.handoff_port)
 
     def capture(self, handoff_id: str, block_ids: list[list[int]], num_tokens: int,
                 c4a_layers) -> bool:
