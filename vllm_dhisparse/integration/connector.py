@@ -126,6 +126,11 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             return set(), set()
         return self.dhisparse_worker.transfer_results()
 
+    def shutdown(self) -> None:
+        pd = self.dhisparse_worker.handoff if self.dhisparse_worker is not None else None
+        if pd is not None:
+            pd.close()  # the side channel's port is free for the next engine
+
     def get_handshake_metadata(self) -> DHiSparseHandshake | None:
         """kv_producer: the side channel's address, for the scheduler's kv_transfer_params."""
         pd = self.dhisparse_worker.handoff if self.dhisparse_worker is not None else None

@@ -239,7 +239,10 @@ class HandoffWorker:
             if req is None or hid is None or not req.prefill_complete or req.failed:
                 continue
             del self.handoff_ids[rid]  # once: a resumed request is not captured again
-            self.producer.capture(hid, req.block_ids, req.prompt_len, self.layers)
+            try:
+                self.producer.capture(hid, req.block_ids, req.prompt_len, self.layers)
+            except Exception:  # noqa: BLE001 -- the decode side reports the missing handoff
+                logger.exception("DHiSparse: capturing handoff %s of request %s failed", hid, rid)
 
     def transfer_results(self, admit) -> tuple[set[str], set[str]]:
         """Consumer: ``(finished_recving, failed_recving)``; ``admit(job)`` puts a loaded
@@ -258,6 +261,8 @@ class HandoffWorker:
             if job.error is None:
                 try:
                     if not admit(job):
+                        logger.debug("DHiSparse: no hierarchy room for loaded request %s yet",
+                                     rid)
                         waiting.append(job)
                         continue
                 except Exception as e:  # noqa: BLE001 -- this request fails, no other
@@ -276,6 +281,10 @@ class HandoffWorker:
             c.tokens_loaded += job.item.num_tokens
         self.ready = waiting
         return done, failed
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.server.close()
 
     def summary(self) -> dict:
         c = self.counters
