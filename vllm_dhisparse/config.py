@@ -35,7 +35,8 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                           "counted inside vLLM's KV budget; 0 = auto: what max_num_seqs running "
                           "requests require, plus one hot cache of optional history each"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
-    "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
+    "stats_file": (str, "", None, "write connector counters as JSON to this path after each step; "
+                   "'{pid}' in it becomes the worker's process id (replicas sharing a config)"),
     "spec": (str, "", SPEC_PRESETS, "speculative preset the engine must run ('' = whatever its "
              "speculative_config says): dspark or dflash2 (vllm_dhisparse.spec)"),
     # prefill/decode handoff (kv_role kv_producer / kv_consumer; ignored by kv_both)

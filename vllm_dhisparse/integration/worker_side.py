@@ -32,6 +32,7 @@ layout), pool_sizing.py (pool sizes), stats.py (counters and summary).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -436,7 +437,8 @@ class WorkerSide:
             self.hierarchy.step()
             self._take_hierarchy_failures()
             if self.cfg.stats_file:
-                write_json_atomic(self.cfg.stats_file, self.summary())
+                write_json_atomic(self.cfg.stats_file.replace("{pid}", str(os.getpid())),
+                                  self.summary())
         self.routing.clear()  # admissions and failures changed who is routed
 
     def summary(self) -> dict:
