@@ -100,15 +100,17 @@ def build_pd_app(model: str, **kwargs):
     return build_pd_openai_app({"prefill_config": prefill, "decode_config": decode})
 
 
-def main(argv: list[str]) -> int:
-    """``vllm-dhisparse ray-pd MODEL ...``: the P/D app on a Ray cluster (a local one by
-    default, ``--address auto`` for the cluster this node belongs to)."""
+def parse_args(argv: list[str]):
+    """``vllm-dhisparse ray-pd`` arguments -> ``(args, pd_llm_configs keyword arguments)``."""
     import argparse
     import json
     ap = argparse.ArgumentParser(prog="vllm-dhisparse ray-pd", description=main.__doc__)
     ap.add_argument("model")
     ap.add_argument("--model-id", default=None, help="name clients use (default: MODEL)")
     ap.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
+    ap.add_argument("--num-cpus", type=float, default=None,
+                    help="logical CPUs of a local cluster (default: enough for every replica's "
+                         "bundle and Serve's actors, at least the machine's cores)")
     ap.add_argument("--host", default="127.0.0.1", help="HTTP host of the OpenAI ingress")
     ap.add_argument("--port", type=int, default=8000)
     for role in ("prefill", "decode"):
@@ -124,11 +126,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--engine-kwargs", default="{}", help="JSON vLLM engine arguments")
     ap.add_argument("--failure-policy", default="fail", choices=("fail", "recompute"))
     args = ap.parse_args(argv)
-
-    import ray
-    from ray import serve
-    if ray.__version__ != RAY_VERSION:
-        print(f"warning: tested with ray {RAY_VERSION}, found {ray.__version__}")
     roles = {}
     for role in ("prefill", "decode"):
         n, top = getattr(args, f"{role}_replicas"), getattr(args, f"{role}_max_replicas")
@@ -137,10 +134,37 @@ def main(argv: list[str]) -> int:
             autoscaling={"min_replicas": n, "max_replicas": top} if top else None,
             node_resource=getattr(args, f"{role}_resource"),
             connector=json.loads(getattr(args, f"{role}_config")))
-    app = build_pd_app(args.model, model_id=args.model_id,
-                       engine_kwargs=json.loads(args.engine_kwargs), prefill=roles["prefill"],
-                       decode=roles["decode"], failure_policy=args.failure_policy)
-    ray.init(address=args.address)
+    return args, dict(model_id=args.model_id, engine_kwargs=json.loads(args.engine_kwargs),
+                      prefill=roles["prefill"], decode=roles["decode"],
+                      failure_policy=args.failure_policy)
+
+
+def local_cpus(args, kwargs) -> float:
+    """Logical CPUs a local cluster needs: each replica's bundle plus the CPU Ray adds
+    for the replica actor, and Serve's controller, proxy and ingress.  A bundle is a
+    reservation only (the engines' threads run where the OS puts them), so a small
+    machine can host the app; with the machine's core count alone it could not."""
+    if args.num_cpus:
+        return args.num_cpus
+    import os
+    need = 3.0
+    for role in (kwargs["prefill"], kwargs["decode"]):
+        replicas = (role.autoscaling or {}).get("max_replicas", role.replicas)
+        need += replicas * (role.cpus + 1)
+    return max(float(os.cpu_count() or 1), need)
+
+
+def main(argv: list[str]) -> int:
+    """``vllm-dhisparse ray-pd MODEL ...``: the P/D app on a Ray cluster (a local one by
+    default, ``--address auto`` for the cluster this node belongs to)."""
+    args, kwargs = parse_args(argv)
+    import ray
+    from ray import serve
+    if ray.__version__ != RAY_VERSION:
+        print(f"warning: tested with ray {RAY_VERSION}, found {ray.__version__}")
+    # before the app: building it would start a local Ray of its own
+    ray.init(address=args.address, num_cpus=None if args.address else local_cpus(args, kwargs))
+    app = build_pd_app(args.model, **kwargs)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, blocking=True)
     return 0

@@ -38,3 +38,28 @@ def test_bad_input_fails_before_any_replica_starts():
         pd_llm_configs("/m", decode=RoleConfig(connector={"hot_cache_row": 1}))
     with pytest.raises(ValueError, match="replicas"):
         RoleConfig(replicas=0)
+
+
+def test_cli_arguments():
+    from vllm_dhisparse.ray_pd import parse_args
+    args, kw = parse_args(["/m", "--model-id", "demo", "--decode-replicas", "2",
+                           "--decode-max-replicas", "4", "--prefill-resource", "prefill_node",
+                           "--decode-config", '{"hot_cache_rows": 512}', "--gpus", "1",
+                           "--engine-kwargs", '{"max_model_len": 4096}',
+                           "--failure-policy", "recompute", "--port", "8100"])
+    assert (args.model, args.port, args.address) == ("/m", 8100, None)
+    assert kw["model_id"] == "demo" and kw["failure_policy"] == "recompute"
+    assert kw["engine_kwargs"] == {"max_model_len": 4096}
+    assert kw["decode"].autoscaling == {"min_replicas": 2, "max_replicas": 4}
+    assert kw["decode"].connector == {"hot_cache_rows": 512} and kw["decode"].gpus == 1
+    assert kw["prefill"].node_resource == "prefill_node" and kw["prefill"].autoscaling is None
+    p, d = pd_llm_configs(args.model, **kw)  # the configs build
+    assert d.deployment_config["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_local_cluster_has_room_for_every_replica():
+    from vllm_dhisparse.ray_pd import local_cpus, parse_args
+    args, kw = parse_args(["/m", "--decode-replicas", "2", "--decode-max-replicas", "3"])
+    assert local_cpus(args, kw) >= 3 + 2 * 1 + 3 * 2  # Serve + prefill 1 x 2 + decode 3 x 2
+    args, kw = parse_args(["/m", "--num-cpus", "5"])
+    assert local_cpus(args, kw) == 5
