@@ -163,3 +163,21 @@ def test_auto_host_is_the_nodes_address(monkeypatch):
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
     assert resolve_host("auto") == "127.0.0.1"
     assert resolve_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_a_request_aborted_while_waiting_for_room_is_never_admitted():
+    from vllm_dhisparse.integration.handoff_worker import (Consumer, HandoffCounters,
+                                                           HandoffWorker, LoadJob)
+    from vllm_dhisparse.integration.metadata import LoadItem
+    pd = HandoffWorker.__new__(HandoffWorker)  # consumer state only, no engine
+    pd.consumer = Consumer.__new__(Consumer)
+    pd.consumer.jobs = {}
+    pd.finished, pd.ready, pd.counters, pd.handoff_ids = set(), [], HandoffCounters(), {}
+    job = LoadJob(LoadItem("r1", "h1", "127.0.0.1", 1, 600, ([1],), 8), handoff=make_handoff("h1"))
+    job.done.set()
+    pd.consumer.jobs["r1"] = job
+    admitted = []
+    assert pd.transfer_results(lambda j: False) == (set(), set())  # no room: it waits
+    pd.begin_step(SimpleNamespace(requests=[], finished={"r1"}, loads=[]))  # then aborted
+    assert pd.transfer_results(lambda j: admitted.append(j) or True) == ({"r1"}, set())
+    assert admitted == [] and pd.ready == []

@@ -225,7 +225,8 @@ class HandoffWorker:
         for rid in meta.finished:
             self.handoff_ids.pop(rid, None)
         if self.consumer is not None:
-            self.finished |= meta.finished & set(self.consumer.jobs)
+            loading = set(self.consumer.jobs) | {j.item.req_id for j in self.ready}
+            self.finished |= meta.finished & loading
             for item in meta.loads:
                 self.consumer.submit(item)
 
