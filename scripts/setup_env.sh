@@ -46,7 +46,10 @@ if [ "$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('
     step "pip install $TRITON_SPEC" quiet_pip install -q "$TRITON_SPEC"
 fi
 
-step "pip install -e .[test]" quiet_pip install -q -e "$REPO[test]"
+# .[ray]: Ray Serve LLM for the P/D deployment and its test (DHISPARSE_NO_RAY=1 skips it)
+EXTRAS="test"
+[ -n "${DHISPARSE_NO_RAY:-}" ] || EXTRAS="test,ray"
+step "pip install -e .[$EXTRAS]" quiet_pip install -q -e "$REPO[$EXTRAS]"
 
 # Start-up hook: registers Triton's interpreter as the 'cpu' backend before
 # vLLM imports vllm.triton_utils, in every process of the venv (see

@@ -35,9 +35,24 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                           "counted inside vLLM's KV budget; 0 = auto: what max_num_seqs running "
                           "requests require, plus one hot cache of optional history each"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
-    "stats_file": (str, "", None, "write connector counters as JSON to this path after each step"),
+    "stats_file": (str, "", None, "write connector counters as JSON to this path after each step; "
+                   "'{pid}' in it becomes the worker's process id (replicas sharing a config)"),
     "spec": (str, "", SPEC_PRESETS, "speculative preset the engine must run ('' = whatever its "
              "speculative_config says): dspark or dflash2 (vllm_dhisparse.spec)"),
+    # prefill/decode handoff (kv_role kv_producer / kv_consumer; ignored by kv_both)
+    "handoff_host": (str, "127.0.0.1", None, "kv_producer: address its handoff side channel binds "
+                     "and advertises to decode instances (remote_host); 'auto' = this node's "
+                     "address as vLLM sees it (VLLM_HOST_IP, else the primary interface)"),
+    "handoff_port": (int, 5790, 0, "kv_producer: TCP port of its handoff side channel (one per "
+                     "prefill engine on a host); 0 = a free port the OS picks (the worker "
+                     "reports it to its scheduler through vLLM's handshake metadata)"),
+    "handoff_lease_s": (float, 30.0, 0.1, "kv_producer: seconds a captured handoff waits to be "
+                        "pulled before it is freed"),
+    "handoff_buffer_gib": (float, 4.0, 0.0, "kv_producer: host memory for handoffs not pulled yet; "
+                           "a capture beyond it is refused (the decode side then fails or "
+                           "recomputes per kv_load_failure_policy)"),
+    "handoff_timeout_s": (float, 30.0, 0.1, "kv_consumer: seconds to wait for a producer's answer "
+                          "before the load fails"),
 }
 
 # Fault injection for the E2E tests, read from the environment of the vLLM process, never
@@ -84,6 +99,11 @@ class DHiSparseConfig:
     resolver_backend: str = "auto"
     stats_file: str = ""
     spec: str = ""
+    handoff_host: str = "127.0.0.1"
+    handoff_port: int = 5790
+    handoff_lease_s: float = 30.0
+    handoff_buffer_gib: float = 4.0
+    handoff_timeout_s: float = 30.0
 
     def __post_init__(self):
         for key, (typ, _, allowed, _help) in _FIELDS.items():
@@ -102,6 +122,9 @@ class DHiSparseConfig:
             if isinstance(allowed, tuple) and value not in allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: allowed "
                                  f"values are {list(allowed)}")
+            if key == "handoff_port" and value > 65535:
+                raise ValueError(f"kv_connector_extra_config['handoff_port'] = {value}: not a TCP "
+                                 f"port (0..65535)")
             if isinstance(allowed, (int, float)) and not isinstance(allowed, bool) and value < allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: must be >= {allowed}")
         if 0 < self.device_window_tokens < 256:

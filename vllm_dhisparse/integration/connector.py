@@ -5,6 +5,10 @@ Enable with::
     --kv-transfer-config '{"kv_connector":"DHiSparseConnector","kv_role":"kv_both",
                            "kv_connector_extra_config":{...}}'
 
+``kv_both`` serves alone.  For prefill/decode disaggregation the prefill
+instance runs ``kv_producer`` and the decode instance ``kv_consumer``; the
+handoff between them is in ``handoff_*.py``.
+
 The extra config is parsed once, by :class:`~vllm_dhisparse.config.DHiSparseConfig`
 (unknown keys are rejected with the valid list).
 """
@@ -15,15 +19,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
-                                                               KVConnectorRole, SupportsHMA)
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults,
+                                                               SupportsHMA)
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.spec import check_engine, ring_sizes
 
 from . import deepseek_v4, scheduler_hooks
 from .draft_ring import ring_block_size
-from .metadata import DHiSparseMetadata, DHiSparseWorkerMetadata
+from .handoff_scheduler import HandoffScheduler
+from .metadata import DHiSparseHandshake, DHiSparseMetadata, DHiSparseWorkerMetadata
 from .model_probe import find_sparse_layers, require_sparse_indexer
 from .pool_sizing import max_queries
 from .scheduler_side import SchedulerSide
@@ -43,6 +51,8 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.P2P  # loaded tokens come from a prefill instance
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -55,8 +65,12 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: SchedulerSide | None = None
         self.dhisparse_worker: WorkerSide | None = None
         max_len = vllm_config.model_config.max_model_len
+        self.kv_role = vllm_config.kv_transfer_config.kv_role
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(max_len)
+            self.handoff = HandoffScheduler(self.kv_role, self.cfg,
+                                            vllm_config.kv_transfer_config.engine_id,
+                                            kv_cache_config)
+            self.scheduler_side = SchedulerSide(max_len, self.handoff)
             scheduler_hooks.install()
         else:
             deepseek_v4.install()
@@ -72,8 +86,8 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = find_sparse_layers(self._vllm_config, self._kv_cache_config)
         self.dhisparse_worker = WorkerSide(self.cfg, layers, *self._worker_args,
-                                           spec_sizes=self.spec_sizes)
-        self.dhisparse_worker.register_kv_caches(kv_caches)
+                                           spec_sizes=self.spec_sizes, kv_role=self.kv_role)
+        self.dhisparse_worker.register_kv_caches(kv_caches, self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Both model runners bind before the forward; MRV2 calls start_load_kv
@@ -98,7 +112,40 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self.dhisparse_worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]):
-        return None, None
+        done, _ = self._transfer_results()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads (kv_consumer) finished since the last call; a failed one is reported in
+        both sets, and vLLM applies kv_load_failure_policy to that request."""
+        done, failed = self._transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def _transfer_results(self) -> tuple[set[str], set[str]]:
+        if self.dhisparse_worker is None:
+            return set(), set()
+        return self.dhisparse_worker.transfer_results()
+
+    def shutdown(self) -> None:
+        pd = self.dhisparse_worker.handoff if self.dhisparse_worker is not None else None
+        if pd is not None:
+            pd.close()  # the side channel's port is free for the next engine
+
+    def get_handshake_metadata(self) -> DHiSparseHandshake | None:
+        """kv_producer: the side channel's address, for the scheduler's kv_transfer_params."""
+        pd = self.dhisparse_worker.handoff if self.dhisparse_worker is not None else None
+        if pd is None or pd.producer is None:
+            return None
+        server = pd.producer.server
+        return DHiSparseHandshake(server.host, server.port)
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        if len(metadata) > 1:
+            raise ValueError("DHiSparseConnector P/D supports one worker per engine (tensor "
+                             f"parallel size 1); got handshakes from ranks {sorted(metadata)}")
+        for meta in metadata.values():
+            if isinstance(meta, DHiSparseHandshake):
+                self.handoff.set_address(meta.host, meta.port)
 
     def build_connector_worker_meta(self):
         """Requests the worker failed this step (the scheduler ends them with an error)."""
@@ -125,11 +172,17 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
-        return 0, False
+        """``(prompt tokens, True)`` for a kv_consumer request with a handoff to pull
+        (``do_remote_prefill``); the load is asynchronous.  ``(0, False)`` otherwise."""
+        return self.handoff.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        return self.handoff.loaded_groups
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        return
+        self.handoff.update_state_after_alloc(request, blocks, num_external_tokens,
+                                              self.scheduler_side.max_tokens_of(request))
 
     def on_new_request(self, request: "Request") -> None:
         self.scheduler_side.on_new_request(request)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
 
@@ -24,6 +25,22 @@ class RequestStep:
     completes_prefill: bool = False
     # Of num_scheduled_tokens, draft (or placeholder draft) tokens: never committed.
     num_spec_tokens: int = 0
+    # kv_producer: the request's KV is captured for a decode instance under this id once
+    # its prefill completes (handoff_worker.py).
+    handoff_id: str | None = None
+
+
+@dataclass
+class LoadItem:
+    """kv_consumer: pull handoff ``handoff_id`` from ``host:port`` for request ``req_id``
+    (its prompt's ``num_tokens`` tokens) into the blocks vLLM allocated for it."""
+    req_id: str
+    handoff_id: str
+    host: str
+    port: int
+    num_tokens: int
+    block_ids: tuple[list[int], ...]  # per KV cache group, the request's whole table
+    max_tokens: int
 
 
 @dataclass
@@ -32,6 +49,15 @@ class DHiSparseMetadata(KVConnectorMetadata):
     requests: list[RequestStep] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    loads: list[LoadItem] = field(default_factory=list)  # kv_consumer: loads to start
+
+
+@dataclass
+class DHiSparseHandshake(KVConnectorHandshakeMetadata):
+    """kv_producer worker -> its scheduler at start-up: where the side channel listens
+    (the port the OS picked when ``handoff_port`` is 0)."""
+    host: str
+    port: int
 
 
 @dataclass

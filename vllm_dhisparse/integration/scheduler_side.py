@@ -2,8 +2,8 @@
 
 The hierarchy itself lives in the workers (it owns device and host memory);
 the scheduler half only translates vLLM's ``SchedulerOutput`` into
-:class:`DHiSparseMetadata`.  It never loads external KV (vLLM's own prefix
-cache serves hits), so ``get_num_new_matched_tokens`` always answers 0.
+:class:`DHiSparseMetadata`.  vLLM's own prefix cache serves hits; external KV
+comes only from a prefill instance (``handoff_scheduler.py``, kv_consumer).
 
 It also decides when a request's prefill is complete: in the step that
 computes the last of its known tokens (the prompt, or the prompt and the
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from .handoff_scheduler import HandoffScheduler
 from .kv_spec import WINDOW_FROM
 from .metadata import DHiSparseMetadata, RequestStep
 
@@ -28,8 +29,10 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 class SchedulerSide:
-    def __init__(self, max_model_len: int):
+    def __init__(self, max_model_len: int, handoff: HandoffScheduler | None = None):
         self.max_model_len = max_model_len
+        # kv_both (one instance serving alone) without one: P/D parameters are ignored
+        self.handoff = handoff or HandoffScheduler("kv_both", None, "", None)
         self._requests: dict[str, "Request"] = {}
         self._prefilled: set[str] = set()  # prefill complete (until preempted)
         self._finished: set[str] = set()
@@ -37,14 +40,18 @@ class SchedulerSide:
 
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
+        self.handoff.on_new_request(request)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        """A producer's handoff was captured when the prefill completed: the blocks can
+        go at once, and the answer carries what the decode instance pulls."""
         rid = request.request_id
         self._finished.add(rid)
         self._requests.pop(rid, None)
+        prefilled = rid in self._prefilled
         self._prefilled.discard(rid)
         WINDOW_FROM.pop(rid, None)
-        return False, None
+        return False, self.handoff.request_finished(request, prefilled)
 
     def _completes_prefill(self, rid: str, num_computed: int, num_real: int) -> bool:
         """True once, for the step that computes the request's last known token
@@ -65,6 +72,10 @@ class SchedulerSide:
     def _prompt_len(self, rid: str) -> int:
         req = self._requests.get(rid)
         return req.num_prompt_tokens if req is not None else 0
+
+    def max_tokens_of(self, request: "Request") -> int:
+        sp = getattr(request, "sampling_params", None)
+        return getattr(sp, "max_tokens", None) or self.max_model_len
 
     def _max_tokens(self, rid: str) -> int:
         """The request's own limit (a streaming-input session updates it per turn)."""
@@ -92,7 +103,7 @@ class SchedulerSide:
                 max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, new.num_computed_tokens,
                                                           scheduled - spec),
-                num_spec_tokens=spec))
+                num_spec_tokens=spec, handoff_id=self.handoff.handoff_id(rid)))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
@@ -109,6 +120,7 @@ class SchedulerSide:
                 max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
                 num_spec_tokens=spec))
+        meta.loads = self.handoff.take_loads()
         meta.finished = set(out.finished_req_ids) | self._finished
         self._finished = set()
         return meta

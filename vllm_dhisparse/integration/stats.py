@@ -119,6 +119,18 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("verify_queries", "vllm:dhisparse_verify_queries", "histogram",
               "K_r: queries of one admitted request in one decode step (anchor + drafts; 1 "
               "without speculation).", buckets=(1, 2, 3, 4, 5, 6, 7, 8)),
+    # -- prefill/decode handoff (kv_producer / kv_consumer; zero on kv_both) --
+    _c("handoffs_sent", "P/D producer: captured handoffs pulled by a decode instance."),
+    _c("handoffs_expired", "P/D producer: handoffs freed because no decode instance pulled "
+                           "them within handoff_lease_s."),
+    _c("handoff_bytes_sent", "P/D producer: bytes of the handoffs pulled."),
+    _c("handoffs_received", "P/D consumer: handoffs loaded and admitted into the hierarchy."),
+    _c("handoffs_failed", "P/D consumer: loads that failed (kv_load_failure_policy applies)."),
+    _c("handoff_bytes_received", "P/D consumer: bytes of the handoffs loaded."),
+    _g("handoff_buffers_held", "P/D producer: captured handoffs waiting to be pulled."),
+    MetricDef("handoff_seconds", "vllm:dhisparse_handoff_seconds", "histogram",
+              "P/D consumer: one load, pull to blocks written (on the load thread).",
+              buckets=(1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
     # -- resolver latency --
     MetricDef("resolve_seconds", "vllm:dhisparse_resolve_seconds", "histogram",
               "Wall time of one KVHierarchy.resolve call (recorded on CPU, or with "
@@ -132,6 +144,12 @@ SUMMARY_TOTALS = {
     "verify_host_selections": "verify_host_selections", "verify_rows_fetched": "verify_fetched",
     "resolve_calls": "resolve_calls", "state_repairs": "state_repairs", "admissions": "admissions",
     "admissions_waited": "admissions_waited",
+}
+# counter key -> key of ``WorkerSide.summary()["handoff"]``
+HANDOFF_TOTALS = {
+    "handoffs_sent": "sent", "handoffs_expired": "expired", "handoff_bytes_sent": "bytes_sent",
+    "handoffs_received": "received", "handoffs_failed": "failed",
+    "handoff_bytes_received": "bytes_received",
 }
 COUNTERS = tuple(m for m in METRICS if m.kind == "counter")
 GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
@@ -239,6 +257,11 @@ class StatsCollector:
             gauges["staging_bytes"] += (rm.staging_pages * len(rm.requests) * rm.page_size
                                         * parts.spec.row_bytes)
         gauges["admitted_requests"] = len(h.requests)
+        pd = getattr(worker, "handoff", None)  # kv_producer / kv_consumer only
+        handoff = pd.summary() if pd is not None else {}
+        for key, total in HANDOFF_TOTALS.items():
+            counters[key] = handoff.get(total, 0)
+        gauges["handoff_buffers_held"] = handoff.get("held", 0)
         spec = worker.spec_sizes or {}
         gauges["draft_ring_rows"] = spec.get("draft_ring_rows", 0)
         gauges["staging_bound_bytes"] = spec.get("staging_bound_bytes", 0)
@@ -258,10 +281,14 @@ class StatsCollector:
         deltas = {k: v - self._last.get(k, 0) for k, v in counters.items()}
         assert all(d >= 0 for d in deltas.values()), f"counters went backwards: {deltas}"
         self._last = counters
+        pd = getattr(worker, "handoff", None)
+        loads = pd.counters.seconds if pd is not None else []
         samples = {"resolve_seconds": worker.resolve_times[-MAX_TIME_SAMPLES:],
-                   "verify_queries": worker.verify_queries[-MAX_TIME_SAMPLES:]}
+                   "verify_queries": worker.verify_queries[-MAX_TIME_SAMPLES:],
+                   "handoff_seconds": loads[-MAX_TIME_SAMPLES:]}
         worker.resolve_times.clear()
         worker.verify_queries.clear()
+        loads.clear()
         return DHiSparseConnectorStats(data={
             "counters": {k: d for k, d in deltas.items() if d},
             "gauges": gauges,
@@ -289,7 +316,10 @@ def summarize(worker: "WorkerSide") -> dict:
                step=st["step"], admitted=st["admitted"],
                device_pool_bytes=worker.device_pool_bytes,
                host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
+    tot["prompt_tokens_computed"] = worker.prompt_tokens_computed
     out = dict(totals=tot, sources=st["sources"])
+    if worker.handoff is not None:
+        out["handoff"] = worker.handoff.summary()
     if worker.spec_sizes is not None:
         out["spec"] = worker.spec_sizes
     return out

@@ -18,6 +18,12 @@ committed yet: the attention hook reads them through per-request staging
 rows, copied from vLLM's cache for that step only, so a rejected draft never
 reaches the hierarchy.
 
+Prefill/decode roles (handoff_worker.py): a ``kv_producer`` captures a
+request's KV after the forward that completes its prefill, before admission;
+a ``kv_consumer`` admits a loaded request's c4a history straight from the
+handoff, before vLLM schedules the request, so its first step (the last
+prompt token, recomputed to sample) already reads through the hierarchy.
+
 A failure in one request's hierarchy work (admission, append, resolve, a
 host backup) fails that request alone (``_isolated``).  Helpers with one
 role each: routing.py (who the hook serves), vllm_cache.py (vLLM's block
@@ -26,6 +32,7 @@ layout), pool_sizing.py (pool sizes), stats.py (counters and summary).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +44,7 @@ from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
 from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 
+from .handoff_worker import HandoffWorker, LoadJob
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
 from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources, staging_sizes
@@ -58,6 +66,7 @@ class TrackedRequest:
     num_spec_tokens: int = 0  # of those, drafts: computed this step but never committed
     prefill_complete: bool = False  # its known tokens are computed (or are this step)
     admitted: bool = False
+    loaded: bool = False  # admitted from a handoff, not scheduled yet
     failed: str | None = None
     rows: dict[str, int] = field(default_factory=dict)  # committed rows per source
 
@@ -65,8 +74,10 @@ class TrackedRequest:
 class WorkerSide:
     def __init__(self, cfg: DHiSparseConfig, layers: list[SparseLayer], max_model_len: int,
                  max_num_seqs: int, max_spec_queries: int, device: torch.device,
-                 spec_sizes: dict | None = None):
+                 spec_sizes: dict | None = None, kv_role: str = "kv_both"):
         self.cfg = cfg
+        self.kv_role = kv_role
+        self.handoff: HandoffWorker | None = None  # kv_producer / kv_consumer
         self.spec_sizes = dict(spec_sizes) if spec_sizes else None  # spec.check_engine
         self.corrupt_mapping = test_hook("DHISPARSE_TEST_CORRUPT_MAPPING") == "1"
         self.fail_backup_of = test_hook("DHISPARSE_TEST_FAIL_BACKUP_OF")
@@ -93,12 +104,16 @@ class WorkerSide:
         self.selected_rows = 0
         self.resolve_times: list[float] = []
         self.verify_queries: list[int] = []  # K_r of admitted requests' decode steps
+        self.prompt_tokens_computed = 0  # prompt tokens this engine ran forward (not loaded)
         self.time_resolve = time_resolve_enabled(device.type)
         self.stats_collector = StatsCollector()
 
     # -- set-up -------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config=None) -> None:
         self.vllm_cache.register(kv_caches, self.layers)
+        if self.kv_role in ("kv_producer", "kv_consumer"):
+            self.handoff = HandoffWorker(self.kv_role, self.cfg, kv_caches, kv_cache_config,
+                                         list(self.layers.values()), self._vllm_rows_upto)
         plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
                              self.max_num_seqs, self.max_queries)
         check_budgeted(plans)
@@ -131,10 +146,17 @@ class WorkerSide:
             self.failed.pop(rid, None)
         self.step_req_ids = [rs.req_id for rs in meta.requests]
         self.pending_appends = {}  # a step that raised before appending left nothing behind
+        if self.handoff is not None:
+            self.handoff.begin_step(meta)
         decoding = []
         for rs in meta.requests:
             req = self.requests.get(rs.req_id)
-            if req is None or rs.replace_blocks:
+            self.prompt_tokens_computed += max(0, min(rs.num_scheduled_tokens,
+                                                      rs.prompt_len - rs.num_computed_tokens))
+            if req is not None and req.loaded:  # first step after its handoff was admitted
+                req.loaded = False
+                req.block_ids = [list(b) for b in rs.block_ids or ()]
+            elif req is None or rs.replace_blocks:
                 if req is not None and req.admitted:  # resumed after preemption
                     h.preempt(rs.req_id)
                 req = TrackedRequest(rs.req_id, rs.prompt_len, rs.max_tokens,
@@ -234,14 +256,49 @@ class WorkerSide:
         return self.vllm_cache.rows(layer, req.block_ids[layer.group],
                                     torch.arange(start, end, dtype=torch.int64))
 
+    def _vllm_rows_upto(self, layer: SparseLayer, block_ids: list[int], n: int) -> torch.Tensor:
+        return self.vllm_cache.rows(layer, block_ids, torch.arange(n, dtype=torch.int64))
+
+    def _max_rows(self, req: TrackedRequest) -> dict[str, int]:
+        return {name: min(self.hierarchy.source(name).spec.max_rows,
+                          -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
+                for name, layer in self.layers.items()}
+
+    def admit_loaded(self, job: LoadJob) -> bool:
+        """kv_consumer: a loaded request's c4a history goes straight into the hierarchy
+        (resident-first); False when there is no room yet (the request stays parked)."""
+        item, rows = job.item, job.handoff.rows
+        req = TrackedRequest(item.req_id, item.num_tokens, item.max_tokens,
+                             [list(b) for b in item.block_ids],
+                             num_computed_tokens=item.num_tokens - 1, loaded=True)
+        if not self.hierarchy.admit(req.req_id, self._max_rows(req), rows):
+            return False
+        req.admitted = req.prefill_complete = True
+        req.rows = {name: rows[name].shape[0] for name in self.layers}
+        self.requests[req.req_id] = req
+        c = self.handoff.counters
+        for name in self.layers:
+            parts = self.hierarchy.source(name)
+            rec = parts.residency.request(req.req_id)
+            host = (rec.eligible_pages - len(rec.optional)) * parts.spec.page_size
+            c.rows_host += host
+            c.rows_device += req.rows[name] - host
+        return True
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """kv_consumer: loads finished (and failed) since the last call."""
+        if self.handoff is None:
+            return set(), set()
+        out = self.handoff.transfer_results(self.admit_loaded)
+        self._take_hierarchy_failures()
+        return out
+
     def _admit(self, req: TrackedRequest) -> None:
         self._inject("admit", req.req_id)
         h = self.hierarchy
-        imported, max_rows = {}, {}
+        imported, max_rows = {}, self._max_rows(req)
         for name, layer in self.layers.items():
             imported[name] = self._vllm_rows(req, layer, 0, self._committed_rows(req, layer))
-            spec_rows = h.source(name).spec.max_rows
-            max_rows[name] = min(spec_rows, -(-(req.prompt_len + req.max_tokens) // layer.compress_ratio) + 1)
         if self.fail_backup_of and req.req_id.startswith(self.fail_backup_of):
             for name in self.layers:
                 h.source(name).host.fail_next_backup_of.add(req.req_id)
@@ -374,11 +431,14 @@ class WorkerSide:
 
     def end_step(self) -> None:
         if self.hierarchy is not None:
+            if self.handoff is not None:  # before admission: every block is still vLLM's
+                self.handoff.capture(self.requests, self.step_req_ids)
             self.admit_completed_prefills()
             self.hierarchy.step()
             self._take_hierarchy_failures()
             if self.cfg.stats_file:
-                write_json_atomic(self.cfg.stats_file, self.summary())
+                write_json_atomic(self.cfg.stats_file.replace("{pid}", str(os.getpid())),
+                                  self.summary())
         self.routing.clear()  # admissions and failures changed who is routed
 
     def summary(self) -> dict:

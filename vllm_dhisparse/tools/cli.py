@@ -2,6 +2,7 @@
 
     vllm-dhisparse serve MODEL [vLLM server args ...]   # vLLM's OpenAI server, connector on
         [--spec dspark|dflash2 --spec-model DRAFTER_DIR [--spec-tokens K]]   # speculation
+    vllm-dhisparse ray-pd MODEL [--address auto] ...    # prefill/decode on Ray Serve LLM
     vllm-dhisparse demo [--model M]                     # the README's main job
     vllm-dhisparse config                               # the kv_connector_extra_config keys
 
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "serve":
         return serve(rest)
+    if cmd == "ray-pd":
+        from vllm_dhisparse.ray_pd import main as ray_pd_main
+        return ray_pd_main(rest)
     if cmd == "demo":
         from vllm_dhisparse.demo import main as demo_main
         return demo_main(rest)
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
         from vllm_dhisparse.config import describe
         print("kv_connector_extra_config keys:\n" + describe())
         return 0
-    print(f"unknown command {cmd!r}; commands: serve, demo, config", file=sys.stderr)
+    print(f"unknown command {cmd!r}; commands: serve, ray-pd, demo, config", file=sys.stderr)
     return 2
 
 

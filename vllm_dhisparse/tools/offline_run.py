@@ -4,6 +4,13 @@
         [--connector '{"hot_cache_rows": 512}'] [--spec-tokens 3] [--max-tokens 16] \
         [--spec '{"method": "dspark", "model": DIR, "num_speculative_tokens": 3}'] \
         [--prefix-caching] [--chunk-tokens 1024] [--shared-prefix 1:0:2800] [--arrivals 0 9]
+        [--kv-role kv_producer --remote-decode --hold-until FILE]
+        [--kv-role kv_consumer --kv-params FILE [--load-failure-policy recompute]]
+
+Prefill/decode: a ``kv_producer`` run sends every prompt with ``do_remote_decode``,
+prints its result (each output's ``kv_transfer_params``) and keeps serving
+handoffs until FILE exists; a ``kv_consumer`` run sends prompt i with the
+``kv_transfer_params`` of output i of a producer result (FILE: its JSON).
 
 Used by the E2E tests (each run is its own process: vLLM spawns engine
 processes and keeps global state) and handy for comparing by hand.  Prompts
@@ -62,14 +69,17 @@ def build_llm(args, stats_file: str | None):
         extra = json.loads(args.connector)
         if stats_file:
             extra.setdefault("stats_file", stats_file)
-        kw["kv_transfer_config"] = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
-                                    "kv_connector_extra_config": extra}
+        kw["kv_transfer_config"] = {"kv_connector": "DHiSparseConnector", "kv_role": args.kv_role,
+                                    "kv_connector_extra_config": extra,
+                                    "kv_load_failure_policy": args.load_failure_policy}
     if args.spec_tokens:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if args.spec:
         kw["speculative_config"] = json.loads(args.spec)
         kw["disable_log_stats"] = False  # the acceptance counters are vLLM's stats
+    if args.kv_role != "kv_both":
+        kw["disable_log_stats"] = False  # prompt token sources and handoff metrics
     return LLM(**kw)
 
 
@@ -143,6 +153,21 @@ def spec_metrics(llm) -> dict:
             value = getattr(m, "value", None)
             out[m.name.removeprefix("vllm:spec_decode_")] = \
                 value if value is not None else list(getattr(m, "values", []) or [])
+    return out
+
+
+def pd_metrics(llm) -> dict:
+    """vLLM's prompt-token sources (local compute vs external transfer) and the connector's
+    handoff metrics, as the Prometheus path reports them; empty without log stats."""
+    out = {}
+    if not llm.llm_engine.log_stats:
+        return out
+    for m in llm.get_metrics():
+        if m.name.startswith(("vllm:prompt_tokens_by_source", "vllm:dhisparse_handoff")):
+            key = m.name + "".join(f"|{v}" for k, v in sorted(m.labels.items())
+                                   if k == "source")
+            value = getattr(m, "value", None)
+            out[key] = value if value is not None else getattr(m, "count", None)
     return out
 
 
@@ -243,6 +268,20 @@ def main(argv=None) -> int:
                     help="engine step at which each prompt is added (default: all at 0)")
     ap.add_argument("--preempt", nargs="*", default=[], metavar="I:STEP",
                     help="preempt request I before engine step STEP (in-process engine)")
+    ap.add_argument("--kv-role", default="kv_both",
+                    choices=("kv_both", "kv_producer", "kv_consumer"))
+    ap.add_argument("--load-failure-policy", default="fail", choices=("fail", "recompute"))
+    ap.add_argument("--remote-decode", action="store_true",
+                    help="send prompts with do_remote_decode (a P/D prefill instance)")
+    ap.add_argument("--hold-until", default=None,
+                    help="after printing the result, keep the engine (and its handoff side "
+                         "channel) alive until this file exists")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="send the prompt list this many times (same ids; a producer's "
+                         "handoffs for several decode runs)")
+    ap.add_argument("--kv-params", default=None,
+                    help="JSON file: a producer run's result; prompt i gets output i's "
+                         "kv_transfer_params")
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
@@ -261,9 +300,18 @@ def main(argv=None) -> int:
     for spec in args.shared_prefix:
         j, i, n = (int(x) for x in spec.split(":"))
         prompts[j] = prompts[i][:n] + prompts[j][n:]
-    prompts = [{"prompt_token_ids": ids} for ids in prompts]
     max_tokens = args.max_tokens * len(prompts) if len(args.max_tokens) == 1 else args.max_tokens
-    params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0) for m in max_tokens]
+    prompts = [{"prompt_token_ids": ids} for ids in prompts] * args.repeat
+    max_tokens = list(max_tokens) * args.repeat
+    transfer = [None] * len(prompts)
+    if args.remote_decode:
+        transfer = [{"do_remote_decode": True, "do_remote_prefill": False}] * len(prompts)
+    if args.kv_params:
+        with open(args.kv_params) as f:
+            transfer = [o["kv_transfer_params"] for o in json.load(f)["outputs"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0,
+                             extra_args={"kv_transfer_params": t} if t else None)
+              for m, t in zip(max_tokens, transfer)]
     t0 = time.time()
     preempt_at = [tuple(int(x) for x in p.split(":")) for p in args.preempt]
     outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at)
@@ -274,6 +322,7 @@ def main(argv=None) -> int:
                   max_decode_blocks_per_group=getattr(generate_stepwise, "max_decode_blocks", None),
                   max_blocks_per_group=getattr(generate_stepwise, "max_blocks", None),
                   kv_groups=kv_groups(llm), spec_metrics=spec_metrics(llm),
+                  pd_metrics=pd_metrics(llm),
                   prefix_caching=bool(vc.cache_config.enable_prefix_caching),
                   chunked_prefill=bool(vc.scheduler_config.enable_chunked_prefill),
                   max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
@@ -283,13 +332,28 @@ def main(argv=None) -> int:
         c = o.outputs[0]
         result["outputs"].append(dict(
             token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason,
-            num_cached_tokens=o.num_cached_tokens,
+            num_cached_tokens=o.num_cached_tokens, kv_transfer_params=o.kv_transfer_params,
             logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]))
     if stats_file and os.path.exists(stats_file):
         with open(stats_file) as f:
             result["stats"] = json.load(f)
-    print("DHISPARSE_RESULT " + json.dumps(result))
+    print("DHISPARSE_RESULT " + json.dumps(result), flush=True)
+    if args.hold_until:
+        hold(args.hold_until, stats_file)
     return 0
+
+
+def hold(path: str, stats_file: str | None, timeout_s: float = 1200) -> None:
+    """Keeps the process (its engine and handoff side channel) alive until ``path`` exists,
+    then prints the connector's counters once more (what was pulled meanwhile)."""
+    t0 = time.time()
+    while not os.path.exists(path) and time.time() - t0 < timeout_s:
+        time.sleep(0.2)
+    time.sleep(0.5)  # the side channel counts a pull when its answer is sent
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    worker = get_kv_transfer_group().dhisparse_worker if has_kv_transfer_group() else None
+    if worker is not None:
+        print("DHISPARSE_HELD " + json.dumps(worker.summary()), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,193 @@
+"""Issue 13: prefill on one engine, decode on another, through the connector's handoff.
+
+A ``kv_producer`` engine (its own process, kept alive to serve pulls) prefills
+each prompt with ``do_remote_decode`` and ``max_tokens=1``, as Ray Serve LLM's
+PDDecodeServer and vLLM's toy proxy do; a ``kv_consumer`` engine gets each
+prompt with the producer's ``kv_transfer_params``, pulls the KV (c4a history
+into its hierarchy, every other group into vLLM's blocks) and decodes.  The
+oracle is single-instance resident serving (connector off).
+
+vLLM recomputes the last prompt token of a fully loaded prompt to sample the
+first output token; in resident serving that token is part of the prompt's
+prefill forward, so the first logprob can round differently (the CPU GEMMs
+see another row count).  ``test_first_token_matches_resident_last_token_alone``
+shows that this is the whole difference: resident serving whose last prompt
+token is a step of its own (chunked prefill) equals P/D bit for bit.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import REPO, assert_same_outputs, run_offline
+
+pytestmark = pytest.mark.e2e
+
+LENS = [600, 1500, 3000]
+MAX_TOKENS = [8, 5, 6]
+DECODE = {"hot_cache_rows": 512, "optional_residency": False}  # small hot cache: host fetches
+# both arms alike: one engine core in the process, one reserved CPU core (vLLM reserves one
+# more for a KV connector, and another thread count rounds differently)
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def args(lens=LENS, max_tokens=MAX_TOKENS):
+    return ["--prompt-lens", *map(str, lens), "--max-tokens", *map(str, max_tokens)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Producer:
+    """A kv_producer engine that prefilled LENS three times (handoff sets A, B, C) and
+    serves pulls until ``stop``."""
+
+    def __init__(self, model, tmp):
+        self.stop_file = str(tmp / "stop")
+        # port 0: the worker binds a free port and reports it through vLLM's handshake
+        cfg = {"handoff_port": 0, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
+        cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
+               *args(max_tokens=[1]), "--repeat", "3", "--kv-role", "kv_producer",
+               "--remote-decode", "--hold-until", self.stop_file, "--connector", json.dumps(cfg)]
+        self.log = open(tmp / "producer.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, **ENV}, cwd=REPO)
+        line = ""
+        while not line.startswith("DHISPARSE_RESULT "):
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                self.log.seek(0)
+                raise AssertionError(f"producer exited rc={self.proc.returncode}\n"
+                                     f"{self.log.read()[-6000:]}")
+        self.result = json.loads(line.split(" ", 1)[1])
+        params = [o["kv_transfer_params"] for o in self.result["outputs"]]
+        n = len(LENS)
+        self.sets = {"A": params[:n], "B": params[n:2 * n], "C": params[2 * n:]}
+
+    def held_summary(self) -> dict:
+        """Stops the producer; its connector counters after every pull."""
+        open(self.stop_file, "w").close()
+        out, _ = self.proc.communicate(timeout=120)
+        for line in out.splitlines():
+            if line.startswith("DHISPARSE_HELD "):
+                return json.loads(line.split(" ", 1)[1])
+        raise AssertionError(f"producer printed no DHISPARSE_HELD line:\n{out[-3000:]}")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def producer(demo_model, tmp_path_factory):
+    p = Producer(demo_model, tmp_path_factory.mktemp("pd"))
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def resident(demo_model):
+    return run_offline(demo_model, *args(), env=ENV)
+
+
+def decode(model, tmp_path, params, *extra, lens=LENS, max_tokens=MAX_TOKENS, cfg=None):
+    path = tmp_path / "params.json"
+    path.write_text(json.dumps({"outputs": [{"kv_transfer_params": p} for p in params]}))
+    return run_offline(model, *args(lens, max_tokens), "--kv-role", "kv_consumer",
+                       "--kv-params", str(path), "--connector", json.dumps({**DECODE, **(cfg or {})}),
+                       *extra, env=ENV)
+
+
+def assert_pd_outputs(got, want, requests=None):
+    """Tokens identical; logprobs identical after the first token (its logprob comes from
+    the recomputed last prompt token, see the module doc)."""
+    for i in requests if requests is not None else range(len(want["outputs"])):
+        g, w = got["outputs"][i], want["outputs"][i]
+        assert g["token_ids"] == w["token_ids"], f"prompt {i}: tokens differ from resident"
+        assert g["logprobs"][1:] == w["logprobs"][1:], f"prompt {i}: logprobs differ"
+        assert abs(g["logprobs"][0] - w["logprobs"][0]) < 1e-4, f"prompt {i}: first logprob"
+
+
+def test_decode_from_handoff_matches_resident(demo_model, producer, resident, tmp_path):
+    got = decode(demo_model, tmp_path, producer.sets["A"])
+    assert_pd_outputs(got, resident)
+    t, h = got["stats"]["totals"], got["stats"]["handoff"]
+    # the decode engine ran one prompt token per request (the last, to sample), not the prompt
+    assert t["prompt_tokens_computed"] == len(LENS), t
+    assert h["received"] == len(LENS) and h["failed"] == 0, h
+    assert h["tokens_loaded"] == sum(LENS) and h["bytes_received"] > 0, h
+    # c4a history went into the hierarchy: with optional residency off, straight to host,
+    # and decoding read it from there
+    assert h["rows_host"] > 0 and h["rows_host"] + h["rows_device"] == 2 * sum(LENS) // 4, h
+    assert t["host"] > 0 and t["fetched"] > 0, t
+    assert t["admissions"] == len(LENS)
+    # vLLM's own prompt-token sources and the handoff metrics (its Prometheus path) agree
+    m = got["pd_metrics"]
+    assert m["vllm:prompt_tokens_by_source|local_compute"] <= len(LENS), m
+    assert m["vllm:prompt_tokens_by_source|external_kv_transfer"] >= sum(LENS) - len(LENS), m
+    assert m["vllm:dhisparse_handoffs_received"] == len(LENS), m
+    assert m["vllm:dhisparse_handoff_bytes_received"] == h["bytes_received"], m
+    assert m["vllm:dhisparse_handoff_seconds"] == len(LENS), m  # one load-time sample each
+
+
+def test_first_token_matches_resident_last_token_alone(demo_model, producer, tmp_path):
+    """P/D equals resident serving bit for bit once resident also computes the last prompt
+    token in a step of its own (chunked prefill of L - 1 tokens)."""
+    n = LENS[0]
+    want = run_offline(demo_model, *args([n], [8]), "--chunk-tokens", str(n - 1), env=ENV)
+    got = decode(demo_model, tmp_path, producer.sets["B"][:1], lens=[n], max_tokens=[8])
+    assert got["stats"]["totals"]["prompt_tokens_computed"] == 1
+    assert_same_outputs(got, want)
+
+
+def test_without_params_decode_computes_the_prompt(demo_model, resident):
+    """Negative control: the same consumer without kv_transfer_params prefills itself."""
+    got = run_offline(demo_model, *args(), "--kv-role", "kv_consumer",
+                      "--connector", json.dumps(DECODE), env=ENV)
+    assert_same_outputs(got, resident)
+    assert got["stats"]["totals"]["prompt_tokens_computed"] == sum(LENS)
+    assert got["stats"]["handoff"]["received"] == 0
+    assert got["pd_metrics"]["vllm:prompt_tokens_by_source|local_compute"] == sum(LENS)
+
+
+def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident, tmp_path):
+    """Policy fail: a handoff already pulled (set A's) errors its request; the others load."""
+    params = [producer.sets["A"][0], *producer.sets["B"][1:]]
+    got = decode(demo_model, tmp_path, params)
+    assert got["outputs"][0]["finish_reason"] == "error", got["outputs"][0]
+    assert_pd_outputs(got, resident, requests=[1, 2])
+    h = got["stats"]["handoff"]
+    assert (h["received"], h["failed"]) == (2, 1), h
+
+
+def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
+    """Policy recompute: an unknown handoff id and a producer that is gone (nothing
+    listens there) are computed locally; the valid handoff still loads.  Tokens only:
+    the failures end at different steps (the dead producer after its timeout), so the
+    recomputed prefills share forwards with other requests' decode steps, which resident
+    serving never does, and bf16 sums round differently in those batches."""
+    bad_id, gone, good = (dict(p) for p in producer.sets["C"])
+    bad_id["dhisparse"] = {**bad_id["dhisparse"], "handoff_id": "no-such-handoff"}
+    gone["remote_port"] = free_port()
+    got = decode(demo_model, tmp_path, [bad_id, gone, good], "--load-failure-policy",
+                 "recompute", cfg={"handoff_timeout_s": 2.0})
+    assert_same_outputs(got, resident, logprobs=False)
+    assert got["stats"]["totals"]["prompt_tokens_computed"] == LENS[0] + LENS[1] + 1
+    h = got["stats"]["handoff"]
+    assert (h["received"], h["failed"]) == (1, 2), h
+
+    # every capture is pulled once, held or expired; C's first two were never pulled
+    # (their lease, 600 s, outlives the test)
+    held = producer.held_summary()["handoff"]
+    assert held["captured"] == 3 * len(LENS), held
+    assert held["captured"] == held["sent"] + held["held"] + held["expired"], held
+    assert held["held"] >= 2 and held["sent"] >= 1 and held["expired"] == 0, held
