@@ -48,7 +48,7 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                      "reports it to its scheduler through vLLM's handshake metadata)"),
     "handoff_lease_s": (float, 30.0, 0.1, "kv_producer: seconds a captured handoff waits to be "
                         "pulled before it is freed"),
-    "handoff_buffer_gib": (float, 4.0, 0.0, "kv_producer: host memory for handoffs not pulled yet; "
+    "handoff_buffer_gib": (float, 4.0, 2**-10, "kv_producer: host memory for handoffs not pulled yet; "
                            "a capture beyond it is refused (the decode side then fails or "
                            "recomputes per kv_load_failure_policy)"),
     "handoff_timeout_s": (float, 30.0, 0.1, "kv_consumer: seconds to wait for a producer's answer "

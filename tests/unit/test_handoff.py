@@ -102,8 +102,9 @@ def test_server_expires_leases_on_its_own():
         server.close()
 
 
-def request(rid, params, n=600):
-    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=n)
+def request(rid, params, n=600, first_token=1):
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=n,
+                           prompt_token_ids=[first_token] + list(range(2, n + 1)))
 
 
 def kv_config(groups=3):
@@ -128,6 +129,9 @@ def test_scheduler_protocol_producer_to_consumer():
     assert cons.loaded_groups == (0, 1, 2)
     d = request("d-9", params)  # another engine request id, same handoff id
     assert cons.get_num_new_matched_tokens(d, 0) == (600, True)
+    # vLLM could not allocate the blocks this step and asks again: the load still stands
+    assert cons.get_num_new_matched_tokens(d, 0) == (600, True)
+    assert cons.take_loads() == []
     blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3], [4], [5, 6, 7]))
     cons.update_state_after_alloc(d, blocks, 600, max_tokens=8)
     (item,) = cons.take_loads()
@@ -139,6 +143,8 @@ def test_scheduler_protocol_producer_to_consumer():
     assert cons.get_num_new_matched_tokens(
         request("d-2", {"do_remote_prefill": True}), 0) == (0, False)
     assert cons.get_num_new_matched_tokens(request("d-3", params), 256) == (0, False)
+    # the handoff of another prompt of the same length: computed here
+    assert cons.get_num_new_matched_tokens(request("d-4", params, first_token=7), 0) == (0, False)
 
 
 def test_kv_both_ignores_pd_params():
@@ -181,3 +187,27 @@ def test_a_request_aborted_while_waiting_for_room_is_never_admitted():
     pd.begin_step(SimpleNamespace(requests=[], finished={"r1"}, loads=[]))  # then aborted
     assert pd.transfer_results(lambda j: admitted.append(j) or True) == ({"r1"}, set())
     assert admitted == [] and pd.ready == []
+
+
+def test_block_positions_from_the_producer_are_checked():
+    """A handoff's block positions come from the socket: negative, repeated, unordered,
+    out-of-range or miscounted positions fail the load before any block is written."""
+    from vllm_dhisparse.integration.handoff_worker import Consumer, KVLayout
+    from vllm_dhisparse.integration.metadata import LoadItem
+    cache = torch.zeros(8, 4, 2)
+    cfg = SimpleNamespace(num_blocks=8, kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=4), layer_names=["swa"])])
+    cons = Consumer.__new__(Consumer)  # no load thread: _check alone
+    cons.layout, cons.c4a = KVLayout({"swa": cache}, cfg, set()), {}
+    item = LoadItem("d-1", "h", "127.0.0.1", 1, 10, ([3, 5, 6],), 4)  # 10 tokens: 3 blocks
+
+    def handoff(pos, n=None):
+        data = torch.ones(len(pos) if n is None else n, 4, 2)
+        return Handoff("h", 10, {}, {"swa": (pos, data)})
+
+    cons._check(item, handoff([0, 1, 2]))  # fine
+    for pos, n in (([-1, 1, 2], None), ([0, 0, 2], None), ([0, 2, 1], None), ([0, 1, 3], None),
+                   ([0, 1, 2], 2)):
+        with pytest.raises(HandoffError, match="block positions"):
+            cons._check(item, handoff(pos, n))
+    assert cache.sum() == 0

@@ -14,8 +14,11 @@ request is served locally, as before.
 """
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from vllm.logger import init_logger
 
@@ -28,6 +31,14 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 NAMESPACE = "dhisparse"
+
+
+def prompt_digest(request: "Request") -> str:
+    """A digest of the prompt's token ids: the consumer loads a handoff only for the
+    prompt it was made from (a router that attaches it to another prompt of the same
+    length would otherwise decode on that prompt's KV)."""
+    ids = np.asarray(request.prompt_token_ids or (), dtype=np.int64)
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
 
 
 def c4a_group_ids(kv_cache_config) -> set[int]:
@@ -85,7 +96,8 @@ class HandoffScheduler:
                     remote_engine_id=self.engine_id, remote_request_id=rid,
                     remote_host=self.address[0], remote_port=self.address[1],
                     remote_block_ids=None, remote_num_tokens=n, tp_size=1,
-                    **{NAMESPACE: dict(handoff_id=hid, num_tokens=n)})
+                    **{NAMESPACE: dict(handoff_id=hid, num_tokens=n,
+                                       prompt_digest=prompt_digest(request))})
 
     def set_address(self, host: str, port: int) -> None:
         self.address = (host, port)
@@ -102,11 +114,16 @@ class HandoffScheduler:
             return 0, False
         if rid in self.tried:  # a failed load being recomputed, or a preempted request
             return 0, False
-        hid = (params.get(NAMESPACE) or {}).get("handoff_id")
+        ours = params.get(NAMESPACE) or {}
+        hid = ours.get("handoff_id")
         if not hid:
             logger.warning("DHiSparse: request %s has do_remote_prefill but no %r handoff id "
                            "(a producer with another connector?); computing its prompt here",
                            rid, NAMESPACE)
+            return 0, False
+        if ours.get("prompt_digest") != prompt_digest(request):
+            logger.warning("DHiSparse: handoff %s was made for another prompt than request "
+                           "%s's; computing its prompt here", hid, rid)
             return 0, False
         if num_computed_tokens:
             # The hierarchy admits a request's whole c4a history at once; the local hit's
@@ -115,7 +132,8 @@ class HandoffScheduler:
                            "handoff %s is not used (disable prefix caching on decode "
                            "instances)", rid, num_computed_tokens, hid)
             return 0, False
-        self.tried.add(rid)
+        # asked again while vLLM cannot allocate the blocks yet: same answer (the load
+        # counts as started only once blocks are allocated for it)
         self.pending[rid] = (hid, str(params.get("remote_host") or "127.0.0.1"),
                              int(params.get("remote_port") or 0))
         return request.num_prompt_tokens, True
@@ -126,6 +144,7 @@ class HandoffScheduler:
         if rid not in self.pending or not num_external_tokens:
             return
         hid, host, port = self.pending.pop(rid)
+        self.tried.add(rid)
         self.loads.append(LoadItem(rid, hid, host, port, num_external_tokens,
                                    tuple(list(b) for b in blocks.get_block_ids()), max_tokens))
 

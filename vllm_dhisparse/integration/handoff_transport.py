@@ -116,7 +116,12 @@ class HandoffServer:
             if not dict(poller.poll(_POLL_MS)):
                 continue
             parts = self._sock.recv_multipart()
-            self._sock.send_multipart(self._answer(parts), copy=False)
+            try:
+                reply = self._answer(parts)
+            except Exception as e:  # noqa: BLE001 -- one bad pull must not end the channel
+                logger.exception("DHiSparse: handoff side channel could not answer a pull")
+                reply = [json.dumps(dict(ok=False, error=f"producer error: {e}")).encode()]
+            self._sock.send_multipart(reply, copy=False)
 
     def _answer(self, parts: list) -> list:
         if len(parts) != 2 or parts[0] != b"pull":

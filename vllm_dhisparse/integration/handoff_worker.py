@@ -145,6 +145,8 @@ class Consumer:
                 job.nbytes = h.nbytes
                 self._check(job.item, h)
                 self._write_blocks(job.item, h)
+                if any(c.is_cuda for c in self.layout.caches.values()):
+                    torch.cuda.synchronize()  # the blocks are in place before done is seen
                 job.handoff = h
             except Exception as e:  # noqa: BLE001 -- reported to vLLM as this request's failure
                 job.error = str(e) if isinstance(e, HandoffError) else \
@@ -168,6 +170,12 @@ class Consumer:
                                    f"{tuple(rows.shape)}, expected ({want}, {layer.row_bytes})")
         for name, (pos, data) in h.blocks.items():
             cache, g = self.layout.caches[name], self.layout.group[name]
+            limit = -(-item.num_tokens // self.layout.block_tokens[g])
+            if len(pos) != data.shape[0] or any(not isinstance(p, int) for p in pos) \
+                    or any(b <= a for a, b in zip(pos, pos[1:])) \
+                    or (pos and not 0 <= pos[0] <= pos[-1] < limit):
+                raise HandoffError(f"handoff {hid!r}: layer {name!r} names block positions "
+                                   f"that are not ascending in [0, {limit}) one per block")
             if tuple(data.shape[1:]) != tuple(cache.shape[1:]) or data.dtype != cache.dtype:
                 raise HandoffError(f"handoff {hid!r}: layer {name!r} blocks are "
                                    f"{tuple(data.shape[1:])} {data.dtype}, this engine's "
