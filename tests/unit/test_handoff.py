@@ -73,6 +73,27 @@ def test_transport_round_trip_unknown_id_and_dead_producer():
         pull("127.0.0.1", free_port(), "gone", timeout_s=0.3)
 
 
+def test_a_pull_the_producer_cannot_answer_leaves_the_channel_serving(monkeypatch):
+    store = HandoffStore(lease_s=30.0, capacity_bytes=2**30)
+    server = HandoffServer(store, "127.0.0.1", 0)
+    answer = server._answer
+    calls = []
+
+    def once_broken(parts):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return answer(parts)
+    monkeypatch.setattr(server, "_answer", once_broken)
+    try:
+        store.put(make_handoff("ok"))
+        with pytest.raises(HandoffError, match="boom"):
+            pull("127.0.0.1", server.port, "ok", timeout_s=5)
+        verify_same(make_handoff("ok"), pull("127.0.0.1", server.port, "ok", timeout_s=5)[0])
+    finally:
+        server.close()
+
+
 def test_port_zero_binds_a_free_port_that_the_scheduler_advertises():
     store = HandoffStore(lease_s=30.0, capacity_bytes=2**30)
     server = HandoffServer(store, "127.0.0.1", 0)
@@ -160,6 +181,8 @@ def test_kv_both_ignores_pd_params():
 def test_config_rejects_bad_port():
     with pytest.raises(ValueError, match="handoff_port"):
         DHiSparseConfig.from_extra_config({"handoff_port": 70000})
+    with pytest.raises(ValueError, match="handoff_buffer_gib"):
+        DHiSparseConfig.from_extra_config({"handoff_buffer_gib": 0})
     with pytest.raises(ValueError, match="valid keys"):
         DHiSparseConfig.from_extra_config({"handoff_prot": 1})
 
