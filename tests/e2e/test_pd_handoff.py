@@ -1,4 +1,4 @@
-"""Issue 13: prefill on one engine, decode on another, through the connector's handoff.
+"""Prefill on one engine, decode on another, through the connector's handoff.
 
 A ``kv_producer`` engine (its own process, kept alive to serve pulls) prefills
 each prompt with ``do_remote_decode`` and ``max_tokens=1``, as Ray Serve LLM's

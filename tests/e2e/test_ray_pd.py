@@ -1,4 +1,4 @@
-"""Issue 13: P/D through Ray Serve LLM's app (``build_pd_app``) on a local Ray cluster.
+"""P/D through Ray Serve LLM's app (``build_pd_app``) on a local Ray cluster.
 
 One prefill and two decode replicas of the demo model behind Ray's OpenAI
 ingress on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: every node

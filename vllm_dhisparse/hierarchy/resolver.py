@@ -156,9 +156,9 @@ class Resolver:
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
         bounds = dict(num_device_rows=self.planes[0][1].shape[0], seq_lens=src.seq_lens)
-        if self.backend == "triton" and len(self.planes) <= 2:
-            # whole rows or two byte planes: the resolve launch copies the misses itself
-            # (fused when K*k is small, else it launches the gathers)
+        if self.backend == "triton":
+            # the launch copies the misses itself: inside the resolve kernel for small
+            # K*k and at most two byte planes, else one gather per plane
             locations, _, _, _, counters = self._resolve(
                 *args, host_rows=self.host_rows, device_rows=[p for _, p in self.planes],
                 **bounds)
