@@ -187,6 +187,22 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
     return err
 
 
+def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times) -> str:
+    """torch.profiler over a few more steps (after the timed ones, not counted in them):
+    where the GPU time of a step goes, and how much of the step the GPU is busy."""
+    from torch.profiler import ProfilerActivity, profile
+    steps = 4
+    first = cfg["check_steps"] + cfg["warmup"] + cfg["steps"]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for j in range(steps):
+            decode_step(h, cfg, ids, truth, plans, first + j, n_hist, miss, dev, False, times)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+    return f"{steps} steps, GPU busy {busy:.3f} ms per step\n{table}"
+
+
 def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
     h, ids, truth = build(cfg, n, dev, resident)
     plans = selection_plan(h, cfg, ids, seed=n)
@@ -225,6 +241,8 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             e1.record()
             torch.cuda.synchronize()
             gpu.append(e0.elapsed_time(e1) / 1e3)
+    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times) \
+        if cfg.get("profile") and dev.type == "cuda" else None
     after = {s: h.source(s).resolver.totals() for s in SOURCES}
     moved = {f: sum(getattr(after[s], f) - getattr(before[s], f) for s in SOURCES)
              for f in ("direct", "hot", "host", "fetched", "bytes_fetched")}
@@ -240,7 +258,7 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
         step_gpu_ms=med(gpu) * 1e3 if gpu else None,
         append_ms=mean(times["append"][w:]) * 1e3, resolve_ms=mean(times["resolve"][w:]) * 1e3,
         step_call_ms=mean(times["step"][w:]) * 1e3,
-        host_syncs_per_step=med(syncs), bytes_fetched_per_step=moved["bytes_fetched"] / steps,
+        host_syncs_per_step=med(syncs), profile=profile, bytes_fetched_per_step=moved["bytes_fetched"] / steps,
         resolved_fraction=dict(direct=moved["direct"] / sel_total, hot=moved["hot"] / sel_total,
                                host=moved["host"] / sel_total))
 
@@ -260,10 +278,13 @@ def main(argv=None) -> int:
                     help="bounds check of the selections: per resolve call (refuses before the "
                          "kernels run, one host synchronisation per call), or once per step "
                          "(the kernels bound every selection by its request's length)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run torch.profiler over 4 more steps per batch (CUDA); the table "
+                         "goes to results/<name>_profile_b<batch>.txt")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
     cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append,
-               validate=args.validate)
+               validate=args.validate, profile=args.profile)
     if args.batches:
         cfg["batches"] = tuple(args.batches)
     if args.history:
@@ -274,6 +295,11 @@ def main(argv=None) -> int:
     points = []
     for n in cfg["batches"]:
         p = run_batch(cfg, n, args.miss, dev, args.resident)
+        if p["profile"]:
+            name = args.name or "bench_hierarchy_step"
+            (C.RESULTS / f"{name}_profile_b{n}.txt").write_text(p["profile"])
+            print("   ", p["profile"].splitlines()[0])
+            p["profile"] = f"{name}_profile_b{n}.txt"
         points.append(p)
         f = p["resolved_fraction"]
         print(f"  batch {n:>4}: step {p['step_wall_ms']:8.2f} ms wall"
