@@ -152,7 +152,9 @@ class SyncCounter:
 
 
 def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: float, dev,
-                check: bool, times: dict) -> str | None:
+                check: bool, times: dict, graph=None, verify: bool = False) -> str | None:
+    """One decode step; with ``graph`` (``capture_resolves``) the resolve calls are one
+    replay, and ``verify`` checks the replay's locations against the truth."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if step_no % cfg["compress"] == 0:
@@ -167,7 +169,15 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
                     h.append(rid, s, truth[s][i, pos:pos + 1])
     t1 = time.perf_counter()
     err = None
-    for (s, layer), plan in plans.items():
+    if graph is not None:  # this step's selections into the captured inputs, one replay
+        g, inputs, outputs, stacked = graph
+        inputs.copy_(stacked[step_no % stacked.shape[0]])
+        g.replay()
+        if verify:
+            for i, (s, _) in enumerate(plans):
+                err = err or check_locations(h, s, ids, inputs[i], outputs[i], truth,
+                                             cfg["check_sessions"])
+    for (s, layer), plan in plans.items() if graph is None else ():
         sel = selections(cfg, plan, n_hist, miss, step_no * 16 + layer, dev) if check else \
             plan[3][step_no % len(plan[3])]
         loc, _ = h.resolve(s, ids, sel, validate=cfg["validate"] == "call")
@@ -187,7 +197,30 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
     return err
 
 
-def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times) -> str:
+def capture_resolves(h, cfg, ids, plans):
+    """Every resolve call of a step captured in one CUDA graph, as vLLM captures a decode
+    step: the launches' host work is paid once, at capture.  Returns ``(graph, inputs
+    [L, n, 1, k] int32, outputs [L] locations, stacked [T, L, n, 1, k] int32)``: before a
+    replay the step's selections are copied into ``inputs``."""
+    keys = list(plans)
+    stacked = torch.stack([torch.stack([plans[key][3][j] for key in keys])
+                           for j in range(len(plans[keys[0]][3]))])
+    inputs = stacked[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled and warm before capture (torch's graph recipe)
+        for i, (s, _) in enumerate(keys):
+            h.resolve(s, ids, inputs[i], validate=False)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    # relaxed: the launcher's pinned-memory check queries pointer attributes; a real
+    # synchronisation still fails the capture, and warm-up replays are checked
+    with torch.cuda.graph(g, capture_error_mode="relaxed"):
+        outputs = [h.resolve(s, ids, inputs[i], validate=False)[0] for i, (s, _) in enumerate(keys)]
+    return g, inputs, outputs, stacked
+
+
+def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times, graph) -> str:
     """torch.profiler over a few more steps (after the timed ones, not counted in them):
     where the GPU time of a step goes, and how much of the step the GPU is busy."""
     from torch.profiler import ProfilerActivity, profile
@@ -196,7 +229,8 @@ def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times) -> str:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for j in range(steps):
-            decode_step(h, cfg, ids, truth, plans, first + j, n_hist, miss, dev, False, times)
+            decode_step(h, cfg, ids, truth, plans, first + j, n_hist, miss, dev, False, times,
+                        graph=graph)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
@@ -218,6 +252,7 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
         calls = [selections(cfg, plan, n_hist, miss, 1000 + j, dev)
                  for j in range(cfg["steps"] + cfg["warmup"])]
         plans[key] = (*plan[:3], calls)
+    graph = capture_resolves(h, cfg, ids, plans) if cfg.get("graph") else None
     before = {s: h.source(s).resolver.totals() for s in SOURCES}
     wall, gpu, syncs = [], [], []
     times = {"append": [], "resolve": [], "step": []}
@@ -229,7 +264,9 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             e0.record()
         t0 = time.perf_counter()
         with SyncCounter() as sc:
-            err = decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times)
+            # a replayed step's locations are checked during warm-up (checked, then timed)
+            err = decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times,
+                              graph=graph, verify=graph is not None and step < cfg["warmup"])
         t1 = time.perf_counter()
         if err:
             errors.append(err)
@@ -241,7 +278,7 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             e1.record()
             torch.cuda.synchronize()
             gpu.append(e0.elapsed_time(e1) / 1e3)
-    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times) \
+    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times, graph) \
         if cfg.get("profile") and dev.type == "cuda" else None
     after = {s: h.source(s).resolver.totals() for s in SOURCES}
     moved = {f: sum(getattr(after[s], f) - getattr(before[s], f) for s in SOURCES)
@@ -278,18 +315,24 @@ def main(argv=None) -> int:
                     help="bounds check of the selections: per resolve call (refuses before the "
                          "kernels run, one host synchronisation per call), or once per step "
                          "(the kernels bound every selection by its request's length)")
+    ap.add_argument("--graph", action="store_true",
+                    help="capture the step's resolve calls in one CUDA graph and replay it "
+                         "(as vLLM runs decode steps); implies --validate step")
     ap.add_argument("--profile", action="store_true",
                     help="also run torch.profiler over 4 more steps per batch (CUDA); the table "
                          "goes to results/<name>_profile_b<batch>.txt")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
     cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append,
-               validate=args.validate, profile=args.profile)
+               validate="step" if args.graph else args.validate, profile=args.profile,
+               graph=args.graph)
     if args.batches:
         cfg["batches"] = tuple(args.batches)
     if args.history:
         cfg["history"] = args.history
     dev = C.device()
+    if args.graph and dev.type != "cuda":
+        ap.error("--graph needs a CUDA device")
     meta = C.metadata()
     print(f"# bench_hierarchy_step on {meta['device']} ({meta['date_utc']}), miss {args.miss:.0%}")
     points = []
