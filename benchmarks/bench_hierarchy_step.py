@@ -66,9 +66,10 @@ def build(cfg: dict, n: int, dev: torch.device, resident: float):
                           hot_rows=budget, tail_pages=2, max_slots=n, max_rows=max_rows,
                           staging_rows=max(0, k - budget), segments=cfg["segments"]))
     h = KVHierarchy(specs, device=dev)
-    g = torch.Generator(device="cpu").manual_seed(n)
+    # drawn on the device: at 128K context and 512 sessions the truth is ~40 GB
+    g = torch.Generator(device=dev).manual_seed(n)
     truth = {s: torch.randint(0, 256, (n, max_rows, cfg["row_bytes"]), generator=g,
-                              dtype=torch.uint8).to(dev) for s in SOURCES}
+                              dtype=torch.uint8, device=dev) for s in SOURCES}
     ids = [f"s{i}" for i in range(n)]
     for i, rid in enumerate(ids):
         assert h.admit(rid, max_rows, {s: truth[s][i, :hist] for s in SOURCES}), rid
