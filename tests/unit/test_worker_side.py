@@ -88,7 +88,8 @@ def run_step(w: WS.WorkerSide, step: int, resolves: int = 2) -> None:
         plan = plan_of(w, step, layer)
         assert plan.rows_req == ["a", None] and plan.req_ids == ["a"], (step, layer.name, plan)
         for _ in range(resolves):  # the second call hits the hot cache
-            w.resolve_tokens(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32))
+            with w.staging_arena(layer) as arena:
+                w.resolve_tokens(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32), arena)
     w.end_step()
 
 
@@ -176,7 +177,9 @@ def test_a_failure_in_per_request_work_fails_that_request_alone(monkeypatch, poi
     for layer in LAYERS:
         plan = plan_of(w, 0, layer)
         if point == "resolve" and plan.any_routed:  # later groups no longer route "a"
-            locs = w.resolve_tokens(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32))
+            with w.staging_arena(layer) as arena:
+                locs = w.resolve_tokens(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32),
+                                        arena)
             assert bool((locs == -1).all())  # the failed request reads no row
     w.end_step()
     assert w.take_failed() == {"a": f"RuntimeError: injected {point} failure"}
@@ -221,7 +224,8 @@ def test_a_failing_batched_resolve_is_attributed_to_its_request(monkeypatch):
     monkeypatch.setattr(w.hierarchy, "resolve", resolve)
     w.begin_step(STEPS[0]["meta"])
     plan = plan_of(w, 0, LAYERS[0])
-    locs = w.resolve_tokens(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32))
+    with w.staging_arena(LAYERS[0]) as arena:
+        locs = w.resolve_tokens(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32), arena)
     assert bool((locs == -1).all())
     assert w.take_failed() == {"a": "IndexError: bad selection"}
     assert "a" not in w.hierarchy.requests
@@ -270,13 +274,14 @@ def test_requests_with_different_query_counts_share_one_resolve():
                               torch.tensor(s["token_rows"]))
         assert plan.req_ids == ["a", "b"] and plan.num_queries == 3
         assert plan.tok_j.tolist() == [0, 1, 2, 0]
-        locs = w.resolve_tokens(layer, plan, topk)
         pool = w.hierarchy.source(layer.name).pool
-        for t, req in enumerate(["a", "a", "a", "b"]):
-            sel = topk[t][topk[t] >= 0]
-            got = pool.read(locs[t][topk[t] >= 0])
-            want = w.vllm_cache.rows(layer, w.requests[req].block_ids[layer.group], sel)
-            assert torch.equal(got, want), (layer.name, req, t)
+        with w.staging_arena(layer) as arena:  # attention reads while the layer holds it
+            locs = w.resolve_tokens(layer, plan, topk, arena)
+            for t, req in enumerate(["a", "a", "a", "b"]):
+                sel = topk[t][topk[t] >= 0]
+                got = pool.read(locs[t][topk[t] >= 0])
+                want = w.vllm_cache.rows(layer, w.requests[req].block_ids[layer.group], sel)
+                assert torch.equal(got, want), (layer.name, req, t)
     assert [c[1:] for c in calls] == [(["a", "b"], (2, 3, 4))] * len(LAYERS)
     after = w.summary()["totals"]
     # "a"'s queries select the host rows 2 and 4 three times each: fetched once
