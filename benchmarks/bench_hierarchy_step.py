@@ -55,16 +55,16 @@ SOURCES = ("c4a", "src1", "src2", "src3")
 
 def build(cfg: dict, n: int, dev: torch.device, resident: float):
     """The hierarchy and every session's imported history (kept as the truth)."""
-    ps, hist, k = cfg["page_size"], cfg["history"], cfg["top_k"]
+    ps, hist = cfg["page_size"], cfg["history"]
     max_rows = hist + cfg["steps"] + cfg["warmup"] + cfg["check_steps"] + ps
     specs = []
     for name, budget in zip(SOURCES, cfg["budgets"]):
-        per_req = -(-budget // ps) + 2 + -(-max(0, k - budget) // ps)  # hot, tail, staging
+        per_req = -(-budget // ps) + 2  # hot, tail (one query per request: no overflow)
         optional = int(resident * n * (hist // ps))
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + optional, host_rows=n * max_rows,
                           hot_rows=budget, tail_pages=2, max_slots=n, max_rows=max_rows,
-                          staging_rows=max(0, k - budget), segments=cfg["segments"]))
+                          segments=cfg["segments"]))
     h = KVHierarchy(specs, device=dev)
     # drawn on the device: at 128K context and 512 sessions the truth is ~40 GB
     g = torch.Generator(device=dev).manual_seed(n)

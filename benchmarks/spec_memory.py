@@ -9,8 +9,8 @@ alone (resident + DFlash2) and the hierarchy (+ its draft ring).  Checked first:
 arms give the same greedy tokens (exit 1 otherwise).  Measured per arm, from vLLM's own
 block tables after every engine step (offline_run): the most draft blocks one request
 held at any step (prefill included) and in decode, times the draft layers' page bytes;
-from the connector's stats: R_d (eq. 9) and the verification staging the pools reserve
-next to its bound M_stage (eq. 11, chi = 1).  Next to them, the paper's Table 1 method
+from the connector's stats: R_d (eq. 9) and the staging arenas' bytes next to their
+bound M_stage (eq. 11, chi = 1).  Next to them, the paper's Table 1 method
 for the same shape: R_d x draft row bytes.  Memory is counted, not timed, so the CPU
 engine gives the same numbers a GPU would for this model.
 """
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
           f"({C.fmt_bytes(ours['bytes_any_step'])}); Table 1 method R_d x row = "
           f"{sizes['draft_ring_rows']} x {row_bytes} B = {C.fmt_bytes(table1)}")
     print(f"verification staging: reserved {C.fmt_bytes(sizes['staging_reserved_bytes'])} "
-          f"(every slot and source) vs M_stage {C.fmt_bytes(sizes['staging_bound_bytes'])} (chi = 1)")
+          f"(chi arenas shared by the layers) vs M_stage {C.fmt_bytes(sizes['staging_bound_bytes'])} (chi = 1)")
     fig, ax = C.new_figure(1, "Speculative memory (demo model, DFlash2 W=128, K=3): draft KV per "
                               "session, staging for all slots", out["meta"])
     a = ax[0]

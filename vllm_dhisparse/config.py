@@ -18,6 +18,7 @@ from typing import Any, Mapping
 RECLAIM_POLICIES = ("largest_first", "oldest_first", "least_recently_active")
 RESOLVER_BACKENDS = ("auto", "triton", "reference")
 SPEC_PRESETS = ("", "dspark", "dflash2")
+MAX_STAGING_ARENAS = 128  # more payload layers than any supported model has
 
 # key: (type, default, allowed / lower bound, help)
 _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
@@ -34,6 +35,11 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "device_pool_pages": (int, 0, 0, "device pages per source for the hierarchy (required + optional), "
                           "counted inside vLLM's KV budget; 0 = auto: what max_num_seqs running "
                           "requests require, plus one hot cache of optional history each"),
+    "staging_arenas": (int, 1, 1, "chi: verification staging arenas, each N x (K_max x k - B + "
+                       "this step's rows) rows, reused layer after layer; 1 where sparse layers "
+                       "run one after another (CPU), the payload layers whose attention can run "
+                       "at once on GPU (e.g. 4 for GLM-5.3's index-sharing groups); at most the "
+                       "number of sparse layers"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step; "
                    "'{pid}' in it becomes the worker's process id (replicas sharing a config)"),
@@ -96,6 +102,7 @@ class DHiSparseConfig:
     eager_backup: bool = False
     device_window_tokens: int = 512
     device_pool_pages: int = 0
+    staging_arenas: int = 1
     resolver_backend: str = "auto"
     stats_file: str = ""
     spec: str = ""
@@ -122,6 +129,9 @@ class DHiSparseConfig:
             if isinstance(allowed, tuple) and value not in allowed:
                 raise ValueError(f"kv_connector_extra_config[{key!r}] = {value!r}: allowed "
                                  f"values are {list(allowed)}")
+            if key == "staging_arenas" and not 1 <= value <= MAX_STAGING_ARENAS:
+                raise ValueError(f"kv_connector_extra_config['staging_arenas'] = {value}: allowed "
+                                 f"1..{MAX_STAGING_ARENAS} (and at most the sparse layers)")
             if key == "handoff_port" and value > 65535:
                 raise ValueError(f"kv_connector_extra_config['handoff_port'] = {value}: not a TCP "
                                  f"port (0..65535)")

@@ -8,9 +8,10 @@ trades for it.  The c4a compressed caches live in their own group with a
 512-token device window: vLLM frees their blocks behind the window once a
 request's prefill is complete and the hierarchy holds the rows.
 
-The hierarchy reserves, per possible running request, a hot cache, a tail,
-staging and (auto) one hot cache of optional history: 19 pages of 64 rows per
-sparse layer here (B = k = 512), the c4a history of ~4,900 tokens.  It gives
+The hierarchy reserves, per possible running request, a hot cache, a tail
+and (auto) one hot cache of optional history: 18 pages of 64 rows per sparse
+layer here (B = k = 512), the c4a history of ~4,600 tokens, and 2 rows per
+request in the staging arena the layers share.  It gives
 sessions back only where histories are longer than that; at 2,600 tokens the
 two arms run the same number of requests.  So: six 7,000-token requests
 (max_model_len 7,100) in 285 MB, where resident serving runs at most four at

@@ -125,9 +125,15 @@ def test_draft_ring_bounds_every_step_prefill_included(arms, arm, preset):
 
 
 @pytest.mark.parametrize("arm", ["hier_dspark", "hier_dflash2"])
-def test_staging_bound_is_published(arms, arm):
-    s = arms[arm]["stats"]["spec"]
-    assert 0 < s["staging_bound_bytes"] <= s["staging_reserved_bytes"], s
+def test_staging_arena_stays_within_m_stage_and_is_reused(arms, arm):
+    """One staging arena (chi = 1) serves both sparse layers: at every step the most
+    bytes the layers held at once stay within eq. 11's M_stage, and the second layer of
+    every step reuses the arena the first one released."""
+    s, st = arms[arm]["stats"]["spec"], arms[arm]["stats"]["staging"]
+    assert s["staging_arenas"] == st["arenas"] == 1, (s, st)
+    assert 0 < s["staging_reserved_bytes"] == st["arena_bytes"] <= s["staging_bound_bytes"], (s, st)
+    assert 0 < st["staging_bytes_step_max"] <= s["staging_bound_bytes"], (s, st)
+    assert st["arena_reuses"] > 0 and st["arena_takes"] > st["arena_reuses"], st
 
 
 def test_corrupted_mapping_control_fails_the_comparison(arms):

@@ -24,6 +24,9 @@ def test_unknown_key_lists_valid_keys():
     ("optional_residency", "yes", "bool"),
     ("tail_pages", True, "int"),
     ("host_pool_gib", -1.0, ">= 0"),
+    ("staging_arenas", 0, "allowed 1..128"),
+    ("staging_arenas", 129, "allowed 1..128"),
+    ("staging_arenas", 1.5, "int"),
 ])
 def test_bad_values_name_key_and_allowed(key, value, needle):
     with pytest.raises(ValueError) as e:

@@ -22,12 +22,13 @@ from vllm_dhisparse.hierarchy.reclaim_policies import RECLAIM_POLICIES
 # Small odd widths and page sizes; device pools small enough that admissions reclaim.
 SOURCES = [
     dict(name="a", row_bytes=3, page_size=2, device_pages=30, host_rows=180, hot_rows=3,
-         tail_pages=1, max_slots=6, max_rows=30, staging_rows=5),  # K*k <= 4*2
+         tail_pages=1, max_slots=6, max_rows=30),  # K*k - B <= 4*2 - 3
     dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_rows=4,
-         tail_pages=2, max_slots=6, max_rows=30, staging_rows=8,  # K*k <= 4*3
+         tail_pages=2, max_slots=6, max_rows=30,  # K*k - B <= 4*3 - 4
          segments=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
 ]
 MAX_K = {"a": 2, "b": 3}
+STAGING = dict(arenas=1, columns=8)  # one arena per row layout, the widest overflow
 WIDTH = {s["name"]: s["row_bytes"] for s in SOURCES}
 
 
@@ -48,7 +49,8 @@ class HierarchyMachine(RuleBasedStateMachine):
     def build(self, policy, reserve, optional, eager, repop):
         self.h = KVHierarchy(SOURCES, reclaim_policy=policy, admission_reserve_pages=reserve,
                              optional_residency=optional, eager_backup=eager,
-                             repopulate_pages_per_step=repop, device=self.device)
+                             repopulate_pages_per_step=repop, device=self.device,
+                             staging=STAGING)
         self.truth: dict[str, dict[str, torch.Tensor]] = {}
         self.max_rows: dict[str, int] = {}
         self.next_id = 0
@@ -98,16 +100,17 @@ class HierarchyMachine(RuleBasedStateMachine):
             values = data.draw(st.lists(st.integers(-1, n - 1), min_size=n_queries * top_k,
                                         max_size=n_queries * top_k))  # duplicates and -1 allowed
             sel[i] = torch.tensor(values, dtype=torch.int32).view(n_queries, top_k)
-        loc, counters = self.h.resolve(src, reqs, sel.to(self.device))
-        loc, counters = loc.cpu(), counters.cpu()
         pool = self.h.sources[src].pool
-        for i, r in enumerate(reqs):
-            m = sel[i] >= 0
-            assert bool((loc[i][~m] == -1).all()), f"padding of {r} got a location"
-            got = pool.read(loc[i][m].long()).cpu()
-            assert torch.equal(got, self.truth[r][src][sel[i][m].long()]), \
-                f"request {r} source {src}: resolved bytes differ from its rows"
-            assert int(counters[i, :3].sum()) == int(m.sum())
+        with self.h.staging_arena(src) as arena:  # attention reads while the layer holds it
+            loc, counters = self.h.resolve(src, reqs, sel.to(self.device), arena=arena)
+            loc, counters = loc.cpu(), counters.cpu()
+            for i, r in enumerate(reqs):
+                m = sel[i] >= 0
+                assert bool((loc[i][~m] == -1).all()), f"padding of {r} got a location"
+                got = pool.read(loc[i][m].long()).cpu()
+                assert torch.equal(got, self.truth[r][src][sel[i][m].long()]), \
+                    f"request {r} source {src}: resolved bytes differ from its rows"
+                assert int(counters[i, :3].sum()) == int(m.sum())
 
     @rule()
     def step(self):

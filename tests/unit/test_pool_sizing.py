@@ -5,7 +5,7 @@ pytest.importorskip("vllm", reason="pool_sizing logs through vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
 from vllm_dhisparse.integration.pool_sizing import (LayerShape, device_pool_bytes,  # noqa: E402
-                                                    plan_sources)
+                                                    plan_sources, plan_staging, staging_sizes)
 
 LAYER = LayerShape("l0", compress_ratio=4, top_k=512, row_bytes=584, rows_per_block=64,
                    segments=(576, 8))
@@ -14,20 +14,40 @@ LAYER = LayerShape("l0", compress_ratio=4, top_k=512, row_bytes=584, rows_per_bl
 def test_auto_is_the_floor_plus_one_hot_cache_per_running_request():
     cfg = DHiSparseConfig(hot_cache_rows=512, tail_pages=2, admission_reserve_pages=3)
     (plan,) = plan_sources(cfg, [LAYER], max_model_len=7100, max_num_seqs=6, max_queries=1)
-    # per request: hot 512 rows = 8 pages, tail 2, staging (0 overflow + 2 fresh rows) 1
-    assert plan.floor_pages == 6 * 11 + 3
+    # per request: hot 512 rows = 8 pages, tail 2; no staging pages
+    assert plan.floor_pages == 6 * 10 + 3
     assert plan.spec.device_pages == plan.floor_pages + 6 * 8
-    assert device_pool_bytes([plan, plan]) == 2 * plan.spec.device_pages * 64 * 584
+    staging = plan_staging(cfg, [plan, plan])  # 0 overflow + 2 fresh rows per request
+    assert (staging.arenas, staging.columns) == (1, 2)
+    assert device_pool_bytes([plan, plan], staging) \
+        == 2 * plan.spec.device_pages * 64 * 584 + 1 * 6 * 2 * 584
 
 
-def test_speculation_adds_verification_staging():
+def test_speculation_stages_in_one_arena_shared_by_the_layers():
     cfg = DHiSparseConfig(hot_cache_rows=512)
-    (plan,) = plan_sources(cfg, [LAYER], max_model_len=7100, max_num_seqs=1, max_queries=4)
-    # K*k - B = 1536 overflow rows + ceil(4/4)+1 = 2 fresh rows -> 25 pages
-    assert plan.spec.staging_rows == 1538 and plan.floor_pages == 8 + 2 + 25
+    plans = plan_sources(cfg, [LAYER, LAYER], max_model_len=7100, max_num_seqs=8, max_queries=4)
+    # K*k - B = 1536 overflow rows + ceil(4/4)+1 = 2 fresh rows, in the arena, not the pool
+    assert plans[0].overflow_rows == 1536 and plans[0].fresh_rows == 2
+    assert plans[0].floor_pages == 8 * (8 + 2)
+    staging = plan_staging(cfg, plans)
+    assert (staging.arenas, staging.columns) == (1, 1538)
+    sizes = staging_sizes(plans, staging, [LAYER, LAYER], k_max=4)
+    # one arena for both layers: N x 1538 rows, below M_stage = chi N K_max k d_KV
+    assert sizes["staging_reserved_bytes"] == 8 * 1538 * 584
+    assert sizes["staging_bound_bytes"] == 8 * 4 * 512 * 584
+    two = plan_staging(DHiSparseConfig(hot_cache_rows=512, staging_arenas=2), plans)
+    assert device_pool_bytes(plans, two) - device_pool_bytes(plans, staging) == 8 * 1538 * 584
+
+
+def test_more_arenas_than_sparse_layers_names_the_key():
+    cfg = DHiSparseConfig(hot_cache_rows=512, staging_arenas=3)
+    plans = plan_sources(cfg, [LAYER, LAYER], max_model_len=7100, max_num_seqs=1, max_queries=4)
+    with pytest.raises(ValueError, match=r"'staging_arenas'\] = 3 exceeds the 2 sparse layers; "
+                                         r"allowed 1..2"):
+        plan_staging(cfg, plans)
 
 
 def test_explicit_pool_below_the_floor_names_the_key():
-    cfg = DHiSparseConfig(hot_cache_rows=512, device_pool_pages=10)
-    with pytest.raises(ValueError, match=r"'device_pool_pages'\] = 10 is below .* allowed >= 11"):
+    cfg = DHiSparseConfig(hot_cache_rows=512, device_pool_pages=9)
+    with pytest.raises(ValueError, match=r"'device_pool_pages'\] = 9 is below .* allowed >= 10"):
         plan_sources(cfg, [LAYER], max_model_len=7100, max_num_seqs=1, max_queries=1)

@@ -18,11 +18,11 @@ def rows(n, seed):
 @pytest.fixture
 def setup():
     """r_dev: all history on device; r_host: history reclaimed to host (tail holds the last row)."""
-    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=14, host_rows=200, hot_rows=B,
-                tail_pages=1, max_slots=4, max_rows=30, staging_rows=8)
-    h = KVHierarchy([spec])  # required: 2 hot + 1 tail + 3 staging = 6 pages
+    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=200, hot_rows=B,
+                tail_pages=1, max_slots=4, max_rows=30)
+    h = KVHierarchy([spec], staging=dict(arenas=1, columns=8))  # required: 2 hot + 1 tail
     truth = {"r_host": {"s": rows(13, 1)}, "r_dev": {"s": rows(7, 2)}}
-    assert h.admit("r_host", 30, {"s": truth["r_host"]["s"]})  # 4 optional -> 4 free
+    assert h.admit("r_host", 30, {"s": truth["r_host"]["s"]})  # 4 optional -> 1 free
     assert h.admit("r_dev", 30, {"s": truth["r_dev"]["s"]})  # Δ = 2: r_host reclaimed; r_dev keeps 2
     assert h.sources["s"].residency.requests["r_host"].optional == {}
     check_invariants(h, truth)
@@ -151,15 +151,16 @@ def test_direct_hot_host_paths_are_exact(setup):
 def test_shared_retrieval_fetches_each_row_once(setup):
     h, truth = setup
     s = sel([1, 2, 7, -1], [7, 1, -1, 8], [7, 9, 2, 1])  # K = 3 queries, overlapping selections
-    loc, c = h.resolve("s", ["r_host"], s)  # K*k = 12 > B = 4: reserved staging takes overflow
-    verify_exact(h, truth, ["r_host"], s, loc)
+    with h.staging_arena("s") as arena:  # K*k = 12 > B = 4: the arena takes the overflow
+        loc, c = h.resolve("s", ["r_host"], s, arena=arena)
+        verify_exact(h, truth, ["r_host"], s, loc)
     assert int(c[0, COUNTER_HOST]) == 10 and int(c[0, COUNTER_FETCHED]) == 5  # {1, 2, 7, 8, 9}
     for row in (1, 2, 7):  # every query selecting a row gets the same location
         assert len(set(loc[0][s[0] == row].tolist())) == 1
     t = h.stats()["sources"]["s"]["resolver"]
     assert t["verify_host_selections"] == 10 and t["verify_fetched"] == 5
     assert t["bytes_fetched"] == 5 * W
-    check_invariants(h, truth)  # staging overflow did not enter the hot cache
+    check_invariants(h, truth)  # the overflow did not enter the hot cache; arena released
 
 
 @pytest.mark.cuda

@@ -19,6 +19,7 @@ from vllm_dhisparse.integration import worker_side as WS  # noqa: E402
 from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
 from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.stats import SUMMARY_TOTALS, StatsCollector  # noqa: E402
+from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
 
 # 16 and 8 tokens per vLLM block
 LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=4, group=0,
@@ -88,7 +89,8 @@ def run_step(w: WS.WorkerSide, step: int, resolves: int = 2) -> None:
         plan = plan_of(w, step, layer)
         assert plan.rows_req == ["a", None] and plan.req_ids == ["a"], (step, layer.name, plan)
         for _ in range(resolves):  # the second call hits the hot cache
-            w.resolve_tokens(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32))
+            with w.staging_arena(layer) as arena:
+                w.resolve_tokens(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32), arena)
     w.end_step()
 
 
@@ -176,7 +178,9 @@ def test_a_failure_in_per_request_work_fails_that_request_alone(monkeypatch, poi
     for layer in LAYERS:
         plan = plan_of(w, 0, layer)
         if point == "resolve" and plan.any_routed:  # later groups no longer route "a"
-            locs = w.resolve_tokens(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32))
+            with w.staging_arena(layer) as arena:
+                locs = w.resolve_tokens(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32),
+                                        arena)
             assert bool((locs == -1).all())  # the failed request reads no row
     w.end_step()
     assert w.take_failed() == {"a": f"RuntimeError: injected {point} failure"}
@@ -221,7 +225,8 @@ def test_a_failing_batched_resolve_is_attributed_to_its_request(monkeypatch):
     monkeypatch.setattr(w.hierarchy, "resolve", resolve)
     w.begin_step(STEPS[0]["meta"])
     plan = plan_of(w, 0, LAYERS[0])
-    locs = w.resolve_tokens(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32))
+    with w.staging_arena(LAYERS[0]) as arena:
+        locs = w.resolve_tokens(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32), arena)
     assert bool((locs == -1).all())
     assert w.take_failed() == {"a": "IndexError: bad selection"}
     assert "a" not in w.hierarchy.requests
@@ -270,13 +275,14 @@ def test_requests_with_different_query_counts_share_one_resolve():
                               torch.tensor(s["token_rows"]))
         assert plan.req_ids == ["a", "b"] and plan.num_queries == 3
         assert plan.tok_j.tolist() == [0, 1, 2, 0]
-        locs = w.resolve_tokens(layer, plan, topk)
         pool = w.hierarchy.source(layer.name).pool
-        for t, req in enumerate(["a", "a", "a", "b"]):
-            sel = topk[t][topk[t] >= 0]
-            got = pool.read(locs[t][topk[t] >= 0])
-            want = w.vllm_cache.rows(layer, w.requests[req].block_ids[layer.group], sel)
-            assert torch.equal(got, want), (layer.name, req, t)
+        with w.staging_arena(layer) as arena:  # attention reads while the layer holds it
+            locs = w.resolve_tokens(layer, plan, topk, arena)
+            for t, req in enumerate(["a", "a", "a", "b"]):
+                sel = topk[t][topk[t] >= 0]
+                got = pool.read(locs[t][topk[t] >= 0])
+                want = w.vllm_cache.rows(layer, w.requests[req].block_ids[layer.group], sel)
+                assert torch.equal(got, want), (layer.name, req, t)
     assert [c[1:] for c in calls] == [(["a", "b"], (2, 3, 4))] * len(LAYERS)
     after = w.summary()["totals"]
     # "a"'s queries select the host rows 2 and 4 three times each: fetched once
@@ -340,3 +346,47 @@ def test_a_request_whose_append_fails_fails_alone(monkeypatch, how):
         w.end_step()
     assert set(w.take_failed()) == {"a"}
     assert w.requests["b"].admitted and "a" not in w.hierarchy.requests
+
+
+# -- verification: rows of the step stay out of the hierarchy until accepted -------------------
+def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next_step():
+    """"a" verifies an anchor and three drafts (tokens 50..53: rows 12 and 13 computed in
+    the step, read through the staging arena).  Nothing of the step is appended; vLLM
+    accepts one draft (52 tokens computed), so the next step commits row 12 (tokens
+    48..51, anchor and accepted draft) read from vLLM's cache, and row 13, which holds a
+    rejected draft, stays out until vLLM recomputes its tokens."""
+    w = make_worker(max_spec_queries=4)
+    for step in range(len(STEPS)):
+        run_step(w, step)
+    h = w.hierarchy
+
+    def lengths():
+        return [h.source(layer.name).state.seq_len("a") for layer in LAYERS]
+    verify = DHiSparseMetadata(step=3, requests=[
+        RequestStep("a", 50, 4, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=40, num_spec_tokens=3)])
+    w.begin_step(verify)
+    assert lengths() == [12, 12]
+    tables = [torch.tensor([[10, 11, 12, 15]], dtype=torch.int32),
+              torch.tensor([[20, 21, 22, 23, 24, 25, 30]], dtype=torch.int32)]
+    topk = torch.tensor([[0, 12, 13, -1]] * 4, dtype=torch.int32)  # this step's rows 12, 13
+    for layer in LAYERS:
+        plan = w.routing_plan(layer, tables[layer.group], torch.tensor([54], dtype=torch.int32),
+                              torch.tensor([0, 0, 0, 0]))
+        with w.staging_arena(layer) as arena:
+            locs = w.resolve_tokens(layer, plan, topk, arena)
+            arena_rows = set(arena.arenas.table[arena.index].flatten().tolist())
+            assert set(locs[:, 1:3].flatten().tolist()) <= arena_rows  # read from the arena
+    w.end_step()
+    assert lengths() == [12, 12]  # nothing computed in the verify step was appended
+    w.begin_step(DHiSparseMetadata(step=4, requests=[
+        RequestStep("a", 52, 1, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=40)]))
+    assert lengths() == [13, 13]  # row 12 committed; row 13 (rejected drafts) not
+    truth = {"a": {layer.name: w.vllm_cache.rows(layer, w.requests["a"].block_ids[layer.group],
+                                                 torch.arange(13)) for layer in LAYERS}}
+    truth["b"] = {layer.name: w.vllm_cache.rows(layer, w.requests["b"].block_ids[layer.group],
+                                                torch.arange(h.source(layer.name).state.seq_len("b")))
+                  for layer in LAYERS}
+    check_invariants(h, truth)  # the hierarchy's rows are vLLM's rows of accepted tokens
+    w.end_step()

@@ -12,6 +12,14 @@ its attention op reads a block as ``[rows x 576][rows x 8]``.  With
 ``segments=(576, 8)`` the pool's storage is exactly that layout with the whole
 pool as one block, so attention reads the pool in place.  Locations are the
 same for every segment; ``read`` / ``write`` move whole logical rows.
+
+Shared storage.  Sources whose rows have the same layout can keep their pools
+in one :class:`DeviceRows` (each pool a range of its rows) next to regions
+that belong to no pool, such as the verification ``staging_arena``: the
+attention op reads one tensor per call, so every row a source's attention may
+read -- its own pages and the arena rows it stages into -- must sit in that
+tensor.  Locations (``first_row``, ``page_rows``) are rows of the shared
+storage; a pool's pages stay its own.
 """
 from __future__ import annotations
 
@@ -20,9 +28,42 @@ import torch
 from .devices import canonical_device
 
 
+class DeviceRows:
+    """``num_rows`` rows of ``sum(segments)`` bytes, stored plane by plane:
+    ``[num_rows x segments[0]][num_rows x segments[1]]...`` (fp8_ds_mla's block layout
+    with the whole storage as one block)."""
+
+    def __init__(self, *, name: str, num_rows: int, segments: tuple[int, ...],
+                 device: torch.device | str = "cpu"):
+        segments = tuple(segments)
+        if num_rows <= 0 or not segments or min(segments) <= 0:
+            raise ValueError(f"device rows {name!r}: num_rows={num_rows}, segments={segments} "
+                             f"must be > 0")
+        self.name = name
+        self.num_rows = num_rows
+        self.row_bytes = sum(segments)
+        self.device = canonical_device(device)
+        self.storage = torch.zeros(num_rows * self.row_bytes, dtype=torch.uint8, device=self.device)
+        # (first byte of the segment inside a logical row, plane [num_rows, seg_bytes])
+        self.segments: list[tuple[int, torch.Tensor]] = []
+        offset = start = 0
+        for seg in segments:
+            plane = self.storage[offset:offset + num_rows * seg].view(num_rows, seg)
+            self.segments.append((start, plane))
+            offset += num_rows * seg
+            start += seg
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel()
+
+
 class DevicePagePool:
     def __init__(self, *, name: str, num_pages: int, page_size: int, row_bytes: int,
-                 device: torch.device | str = "cpu", segments: tuple[int, ...] | None = None):
+                 device: torch.device | str = "cpu", segments: tuple[int, ...] | None = None,
+                 rows: DeviceRows | None = None, base_row: int = 0):
+        """``rows``/``base_row``: the pool's pages are rows ``[base_row, base_row +
+        num_pages * page_size)`` of a shared storage; without ``rows`` it gets its own."""
         if num_pages <= 0 or page_size <= 0 or row_bytes <= 0:
             raise ValueError(f"device pool {name!r}: num_pages={num_pages}, page_size={page_size}, "
                              f"row_bytes={row_bytes} must all be > 0")
@@ -34,24 +75,33 @@ class DevicePagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.row_bytes = row_bytes
-        self.device = canonical_device(device)
         self.num_rows = num_pages * page_size
-        self.storage = torch.zeros(self.num_rows * row_bytes, dtype=torch.uint8, device=self.device)
-        # (first byte of the segment inside a logical row, plane [num_rows, seg_bytes])
-        self.segments: list[tuple[int, torch.Tensor]] = []
-        offset = start = 0
-        for seg in segments:
-            plane = self.storage[offset:offset + self.num_rows * seg].view(self.num_rows, seg)
-            self.segments.append((start, plane))
-            offset += self.num_rows * seg
-            start += seg
+        if rows is None:
+            rows, base_row = DeviceRows(name=name, num_rows=self.num_rows, segments=segments,
+                                        device=device), 0
+        layout = tuple(p.shape[1] for _, p in rows.segments)
+        if layout != segments or not 0 <= base_row <= rows.num_rows - self.num_rows:
+            raise ValueError(f"device pool {name!r}: rows [{base_row}, {base_row + self.num_rows}) "
+                             f"with segments {segments} do not fit shared storage {rows.name!r} "
+                             f"({rows.num_rows} rows, segments {layout})")
+        self.device_rows = rows
+        self.base_row = base_row
+        self.device = rows.device
+        self.storage = rows.storage
+        self.segments = rows.segments
         # Lowest page first keeps allocation deterministic (tests replay sequences).
         self._free = list(range(num_pages - 1, -1, -1))
         self._used: set[int] = set()
 
     @property
+    def row_range(self) -> tuple[int, int]:
+        """Rows of the storage this pool's pages cover: ``[first, end)``."""
+        return self.base_row, self.base_row + self.num_rows
+
+    @property
     def rows(self) -> torch.Tensor:
-        """The row plane when rows are stored whole.  # [num_rows, row_bytes] uint8"""
+        """The row plane when rows are stored whole; locations index it (shared storage:
+        every row of it, not only this pool's).  # [storage rows, row_bytes] uint8"""
         if len(self.segments) != 1:
             raise AttributeError(f"device pool {self.name!r} stores rows in {len(self.segments)} "
                                  f"segments; use read()/write()")
@@ -100,11 +150,12 @@ class DevicePagePool:
         return len(self._free)
 
     def first_row(self, page: int) -> int:
-        return page * self.page_size
+        return self.base_row + page * self.page_size
 
     def page_rows(self, pages: list[int]) -> torch.Tensor:
         """Device rows of ``pages`` in order.  # [len(pages) * page_size] int64"""
         if not pages:
             return torch.empty(0, dtype=torch.int64)
         p = torch.tensor(pages, dtype=torch.int64)
-        return (p[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).flatten()
+        return (self.base_row + p[:, None] * self.page_size
+                + torch.arange(self.page_size)[None, :]).flatten()

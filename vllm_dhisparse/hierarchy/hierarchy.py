@@ -6,12 +6,18 @@ residency manager.  The glue's calls map onto a decode step:
 
     admit(...)         scheduler: reserve required pages, place imported history
                        (resident-first), reclaim per eq. 4 or answer "wait"
+    staging_arena(s)   attention hook: hold a staging arena while a layer runs
     resolve(...)       attention hook: selections [N, K, k] -> device locations
     append(...)        after the forward: new rows land in the tail
     append_batch(...)  the same for many requests: one device write of all rows
     step()             between steps: finish copies, back up completed tail
                        pages, repopulate a bounded number of optional pages
     finish / preempt   release everything the request holds
+
+Sources with the same row layout keep their pools in one device storage
+(``DeviceRows``), followed by the layout's chi staging arenas
+(``staging_arena.py``): locations are rows of that storage, so one tensor holds
+every row a layer's attention reads.
 
 Admission is all-or-nothing across sources: every source is planned first
 (slots, host extent, eq. 4 victims) and only when all can admit is anything
@@ -20,19 +26,21 @@ reclaimed or allocated.  Nothing here reclaims or repopulates under a reader:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from .device_pool import DevicePagePool
+from .device_pool import DevicePagePool, DeviceRows
 from .host_store import HostBackupError, HostStore
 from .pinned import check_host_memory
 from .residency import ResidencyManager
 from .resolver import Resolver
 from .source_state import SourceState
-from .specs import ResidencyConfig, SourceSpec
+from .specs import ResidencyConfig, SourceSpec, StagingSpec, device_rows_per_group, layout_groups
+from .staging_arena import ArenaLease, StagingArenas, sum_stats
 from .transfers import CopyStream
 
 
@@ -44,12 +52,14 @@ class SourceParts:
     host: HostStore
     resolver: Resolver
     residency: ResidencyManager
+    arenas: StagingArenas | None  # shared with the sources of the same row layout
 
 
 class KVHierarchy:
     def __init__(self, sources: list[SourceSpec | Mapping[str, Any]],
                  config: ResidencyConfig | None = None, *, device: torch.device | str = "cpu",
-                 backend: str = "auto", **knobs):
+                 backend: str = "auto", staging: StagingSpec | Mapping[str, Any] | None = None,
+                 **knobs):
         if knobs:
             if config is not None:
                 raise ValueError("pass residency knobs either as config=ResidencyConfig(...) or as "
@@ -67,24 +77,46 @@ class KVHierarchy:
                           "host backing store (host_pool_gib; sources "
                           + ", ".join(f"{s.name}: {s.host_rows} rows x {s.row_bytes} B" for s in specs)
                           + ")")
+        if isinstance(staging, Mapping):
+            staging = StagingSpec.from_dict(staging)
         self.copies = CopyStream(device)  # backups and repopulation overlap compute
         self._last_active: dict[str, int] = {}  # request -> last step it produced rows
+        # one storage per row layout: [pool of each source][chi arenas]
+        self.device_rows: list[DeviceRows] = []
+        self.staging: list[StagingArenas] = []
+        placed: dict[str, tuple[DeviceRows, int, StagingArenas | None]] = {}
+        sizes = device_rows_per_group(specs, staging)
+        for layout, members in layout_groups(specs).items():
+            pool_rows, arena_rows = sizes[layout]
+            rows = DeviceRows(name="+".join(m.name for m in members),
+                              num_rows=pool_rows + arena_rows, segments=layout, device=device)
+            self.device_rows.append(rows)
+            arenas = StagingArenas(rows=rows, base_row=pool_rows, arenas=staging.arenas,
+                                   slots=max(m.max_slots for m in members),
+                                   columns=staging.columns) if staging else None
+            self.staging += [arenas] if arenas else []
+            base = 0
+            for m in members:
+                placed[m.name] = (rows, base, arenas)
+                base += m.device_pages * m.page_size
         self.sources: dict[str, SourceParts] = {}
         for s in specs:
+            rows, base, arenas = placed[s.name]
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
                                 max_slots=s.max_slots, max_rows=s.max_rows,
                                 hot_rows_per_slot=s.hot_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
-                                  row_bytes=s.row_bytes, device=device, segments=s.segments)
+                                  row_bytes=s.row_bytes, segments=s.segments, rows=rows,
+                                  base_row=base)
             host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows,
                              copies=self.copies)
             resolver = Resolver(state, pool.segments, host.rows, backend=backend)
             residency = ResidencyManager(
-                state, pool, host, tail_pages=s.tail_pages, staging_rows=s.staging_rows,
+                state, pool, host, tail_pages=s.tail_pages,
                 reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,
                 optional_residency=cfg.optional_residency, eager_backup=cfg.eager_backup,
                 last_active=self._last_active)
-            self.sources[s.name] = SourceParts(s, state, pool, host, resolver, residency)
+            self.sources[s.name] = SourceParts(s, state, pool, host, resolver, residency, arenas)
         self.requests: dict[str, dict[str, int]] = {}  # req -> source -> max_rows
         self.step_index = 0
         self.counters = dict(admissions=0, admissions_waited=0, finished=0, preempted=0)
@@ -202,22 +234,41 @@ class KVHierarchy:
         """The requests were active in this step (every source's reclaim order reads it)."""
         self._last_active.update(dict.fromkeys(req_ids, self.step_index))
 
+    @contextlib.contextmanager
+    def staging_arena(self, source: str):
+        """Holds a staging arena for one layer of ``source``: take it before resolving,
+        leave the block when the layer's attention has returned (also on an error).
+        RuntimeError when all chi arenas are held; without arenas (no ``staging``)
+        yields None."""
+        arenas = self.source(source).arenas
+        if arenas is None:
+            yield None
+            return
+        lease = arenas.take(source)
+        try:
+            yield lease
+        finally:
+            arenas.release(lease)
+
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
-                staging_rows: torch.Tensor | None = None, validate: bool = True):
+                staging_rows: torch.Tensor | None = None, validate: bool = True,
+                arena: ArenaLease | None = None):
         """``(locations [N, K, k] int32, counters [N, 6] int32)``; see ``Resolver.resolve``.
 
-        Without ``staging_rows``, requests use their reserved staging pages
-        (``SourceSpec.staging_rows``) when K*k exceeds B.
+        When K*k exceeds B, overflow misses go to ``staging_rows`` or, with ``arena``
+        (held from ``staging_arena(source)`` until the locations are read), to the
+        arena's rows of batch rows 0..N-1.
         """
         parts = self.source(source)
         if validate:
             parts.resolver.validate(req_ids, selections)
-        if staging_rows is None and parts.residency.staging_rows and selections.shape[0]:
-            need = parts.resolver.staging_columns(selections.shape[1], selections.shape[2])
-            if 0 < need <= parts.residency.staging_rows:
-                staging_rows = torch.stack([
-                    parts.pool.page_rows(parts.residency.request(r).staging)[:need]
-                    for r in req_ids]).to(torch.int32).to(parts.state.device)
+        if staging_rows is None and arena is not None:
+            if arena.source != source or arena.arenas is not parts.arenas:
+                raise ValueError(f"staging arena held by source {arena.source!r} passed to a "
+                                 f"resolve of source {source!r}")
+            n, n_queries, top_k = selections.shape
+            staging_rows = arena.overflow_rows(list(range(n)),
+                                               parts.resolver.staging_columns(n_queries, top_k))
         return parts.resolver.resolve(req_ids, selections, staging_rows, validate=False)
 
     def step(self) -> None:
@@ -233,6 +284,13 @@ class KVHierarchy:
             for rid in [r for r in self._failures if r in self.requests]:
                 self.preempt(rid)
             rm.repopulate(self.config.repopulate_pages_per_step)
+        for arenas in self.staging:
+            arenas.end_step()
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes allocated: every storage (pools and arenas)."""
+        return sum(rows.nbytes for rows in self.device_rows)
 
     def invalid_selections(self) -> dict[str, int]:
         """Cumulative selections outside ``[-1, length)`` per source, which calls with
@@ -286,4 +344,7 @@ class KVHierarchy:
                 resolver_backend=parts.resolver.backend,
             )
         out["sources"] = per_source
+        out["staging"] = sum_stats([a.stats() for a in self.staging])
+        out["device_bytes"] = self.device_bytes
         return out
+

@@ -12,6 +12,10 @@
     publishes exactly the tail and ready optional pages.
 (d) Pool accounting: pages in use = Σ required + optional + pending, no page
     owned twice, and M_req + M_opt + M_res <= M (eq. 3).
+(e) Staging arenas are held only while a layer runs: none is held between
+    operations.  No table points into an arena: (b) and (c) tie hot rows and
+    published pages to the request's own pool pages, so releasing an arena
+    never needs a copy back.
 
 ``truth`` maps ``req_id -> source name -> uint8 [seq_len, row_bytes]``.
 Raises AssertionError naming the source, request, row and what is wrong.
@@ -154,3 +158,7 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
         free_slots = set(range(st.max_slots)) - {st.slot(r) for r in rm.requests}
         for s in free_slots:
             assert bool((st.page_table[s] < 0).all()), f"source {name!r}: closed slot {s} still publishes pages"
+    for arenas in h.staging:
+        assert not arenas.live_sources(), (
+            f"staging arenas of {arenas.rows.name!r} still held by {arenas.live_sources()} "
+            f"between operations")

@@ -2,8 +2,9 @@
 
 Page states, per admitted request (every pool page in use is in exactly one):
 
-* required — hot cache (B rows), tail (``tail_pages``), staging (when
-  configured).  Reserved at admission, never lent, freed at completion.
+* required — hot cache (B rows), tail (``tail_pages``).  Reserved at
+  admission, never lent, freed at completion.  Verification staging is not
+  per request: layers hold a shared ``staging_arena`` while they run.
 * optional — a *complete page of imported history* kept on device, published
   in the direct map (ready).  Reclaimable.  Its host backup may be deferred.
 * pending  — allocated for repopulation, host->device copy in flight, NOT
@@ -54,7 +55,6 @@ class RequestPages:
     max_rows: int
     eligible_pages: int  # complete pages of imported history (optional residency covers these)
     hot: list[int]
-    staging: list[int]
     tail_free: list[int]  # reserved tail pages not bound to a history page
     tail: dict[int, int] = field(default_factory=dict)  # history page -> device page (published)
     optional: dict[int, int] = field(default_factory=dict)  # history page -> device page (ready)
@@ -63,7 +63,7 @@ class RequestPages:
 
     @property
     def required_pages(self) -> int:
-        return len(self.hot) + len(self.staging) + len(self.tail) + len(self.tail_free)
+        return len(self.hot) + len(self.tail) + len(self.tail_free)
 
     @property
     def held_optional(self) -> int:
@@ -71,7 +71,7 @@ class RequestPages:
         return len(self.optional) + len(self.pending)
 
     def owned_pages(self) -> list[int]:
-        return (self.hot + self.staging + self.tail_free + list(self.tail.values())
+        return (self.hot + self.tail_free + list(self.tail.values())
                 + list(self.optional.values()) + [p.device_page for p in self.pending.values()])
 
 
@@ -93,7 +93,7 @@ class AdmissionPlan:
 
 class ResidencyManager:
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
-                 tail_pages: int, staging_rows: int = 0, reserve_pages: int = 0,
+                 tail_pages: int, reserve_pages: int = 0,
                  policy: str = "largest_first", optional_residency: bool = True,
                  eager_backup: bool = False, last_active: dict[str, int] | None = None):
         """``last_active``: request -> last step it produced rows (the reclaim order reads
@@ -103,14 +103,12 @@ class ResidencyManager:
         self.page_size = ps
         self.hot_pages = -(-source.budget // ps)
         self.tail_pages = tail_pages
-        self.staging_rows = staging_rows
-        self.staging_pages = -(-staging_rows // ps)
-        self.required_per_request = self.hot_pages + tail_pages + self.staging_pages
+        self.required_per_request = self.hot_pages + tail_pages
         self.reserve = reserve_pages
         if self.required_per_request + reserve_pages > pool.num_pages:
             raise ValueError(
                 f"source {source.name!r}: one request needs {self.required_per_request} required pages "
-                f"(hot {self.hot_pages} + tail {tail_pages} + staging {self.staging_pages}) plus "
+                f"(hot {self.hot_pages} + tail {tail_pages}) plus "
                 f"reserve {reserve_pages}, but the pool has {pool.num_pages}; allowed "
                 f"required + reserve <= device_pages")
         self.policy = get_reclaim_policy(policy)
@@ -200,12 +198,11 @@ class ResidencyManager:
         host_base = self.host.allocate(req_id, max_rows)
         assert host_base is not None, f"host store {self.host.name!r}: extent vanished after plan"
         hot = pages[:self.hot_pages]
-        tail = pages[self.hot_pages:self.hot_pages + self.tail_pages]
-        staging = pages[self.hot_pages + self.tail_pages:]
+        tail = pages[self.hot_pages:]
         n = 0 if imported is None else imported.shape[0]
         self.source.open_slot(req_id, self.pool.page_rows(hot)[:self.source.budget], host_base)
         rec = RequestPages(req_id, self._admissions, max_rows, n // self.page_size,
-                           hot, staging, tail[::-1])
+                           hot, tail[::-1])
         self._admissions += 1
         self.requests[req_id] = rec
         self.tail.open(rec)

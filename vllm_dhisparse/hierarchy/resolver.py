@@ -151,7 +151,8 @@ class Resolver:
         if staging_rows is None:
             if need:
                 raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = {src.budget}: "
-                                 f"pass staging_rows [N, >= {need}] int32 (device rows for overflow)")
+                                 f"pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
+                                 f"KVHierarchy.resolve takes them from a held staging arena)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)

@@ -1,8 +1,9 @@
 """What :class:`~vllm_dhisparse.hierarchy.hierarchy.KVHierarchy` is built from.
 
 ``SourceSpec`` describes one physical KV source (its pools and per-request
-reservations); ``ResidencyConfig`` the load-adaptive residency knobs shared by
-all sources.  Both validate in ``__post_init__`` and name the bad value and
+reservations); ``StagingSpec`` the verification ``staging_arena`` s the sources
+share; ``ResidencyConfig`` the load-adaptive residency knobs shared by all
+sources.  Both validate in ``__post_init__`` and name the bad value and
 what is allowed; ``from_dict`` rejects unknown keys with the valid list.
 """
 from __future__ import annotations
@@ -33,13 +34,11 @@ class SourceSpec:
     tail_pages: int  # mutable-tail pages per request
     max_slots: int  # concurrent requests
     max_rows: int  # longest request history
-    staging_rows: int = 0  # per-request verification staging (K_max*k - B), 0 = none
     segments: tuple[int, ...] | None = None  # row split into planes (DevicePagePool), None = whole
 
     def __post_init__(self):
         for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),
-                         ("hot_rows", 1), ("tail_pages", 1), ("max_slots", 1), ("max_rows", 1),
-                         ("staging_rows", 0)):
+                         ("hot_rows", 1), ("tail_pages", 1), ("max_slots", 1), ("max_rows", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"source {self.name!r}: {key}={value!r}; allowed: int >= {low}")
@@ -50,6 +49,57 @@ class SourceSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SourceSpec":
         return _from_dict(cls, "source spec", d)
+
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """Byte planes of a row; sources with equal layouts share one device storage."""
+        return tuple(self.segments) if self.segments else (self.row_bytes,)
+
+
+@dataclass(frozen=True)
+class StagingSpec:
+    """chi arenas, each ``columns`` rows per request slot (``max_slots`` of the sources):
+    ``K_max * k - B`` overflow rows plus the rows a step computes (paper eq. 11)."""
+    arenas: int  # chi: payload sources whose attention is live at once (1: one after another)
+    columns: int  # rows per request slot in one arena
+
+    def __post_init__(self):
+        for key in ("arenas", "columns"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"staging {key}={value!r}; allowed: int >= 1")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StagingSpec":
+        return _from_dict(cls, "staging spec", d)
+
+
+def layout_groups(specs: list[SourceSpec]) -> dict[tuple[int, ...], list[SourceSpec]]:
+    """Sources by row layout, in order: each group is one device storage (its pools
+    and its arenas)."""
+    groups: dict[tuple[int, ...], list[SourceSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.layout, []).append(s)
+    return groups
+
+
+def device_rows_per_group(specs: list[SourceSpec], staging: StagingSpec | None
+                          ) -> dict[tuple[int, ...], tuple[int, int]]:
+    """``layout -> (pool rows, arena rows)`` of each shared storage."""
+    out = {}
+    for layout, members in layout_groups(specs).items():
+        pools = sum(s.device_pages * s.page_size for s in members)
+        arena = staging.arenas * max(s.max_slots for s in members) * staging.columns \
+            if staging else 0
+        out[layout] = (pools, arena)
+    return out
+
+
+def device_bytes(specs: list[SourceSpec], staging: StagingSpec | None) -> int:
+    """Device bytes a hierarchy of ``specs`` allocates: pools plus arenas."""
+    return sum((pools + arena) * sum(layout)
+               for layout, (pools, arena) in device_rows_per_group(specs, staging).items())
 
 
 @dataclass(frozen=True)

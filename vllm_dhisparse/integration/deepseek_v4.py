@@ -4,14 +4,15 @@
 maps the indexer's request-local compressed positions to slots of vLLM's
 paged cache and calls the sparse attention op.  For tokens of requests the
 hierarchy has admitted, we instead resolve those positions (eq. 2, 6, 12) to
-rows of the hierarchy's device pool -- hot cache, tail, optional history,
-staging -- and run the same op on that pool.  The sliding-window part and the
+rows of the hierarchy's device storage -- hot cache, tail, optional history,
+staging arena -- and run the same op on that storage.  The sliding-window part and the
 dense compressed (c128a) layers are untouched, and so are tokens of requests
 still in prefill (their history is being computed on device).
 
 Rows computed in this very step (not committed yet: the anchor's and the
-drafts', eq. 7-8) are copied from vLLM's cache into the request's staging
-rows for this step only.
+drafts', eq. 7-8) are copied from vLLM's cache into the request's rows of the
+layer's staging arena, which the layer holds from its resolve until the
+attention op has returned; the next layer may then reuse the arena.
 """
 from __future__ import annotations
 
@@ -93,7 +94,6 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
                 bt[row] = values
 
     q_r, pos_r = q[idx], positions[idx]
-    locations = worker.resolve_tokens(layer, plan, topk)  # [T_r, k] int64 pool rows
 
     # Sliding window, exactly as upstream (positions are absolute).
     window = attn.window_size
@@ -103,10 +103,12 @@ def _routed_forward_mqa(attn, worker, layer, meta, q, kv, positions, output):
     window_cache = attn.swa_cache_layer.kv_cache
     window_cache_2d = window_cache.view(window_cache.shape[0], -1)
 
-    pool_2d, pool_block = worker.attention_cache(layer)  # whole pool as one block
+    pool_2d, pool_block = worker.attention_cache(layer)  # pools + arenas as one block
     out_r = torch.empty((idx.numel(),) + tuple(output.shape[1:]), dtype=output.dtype,
                         device=output.device)
-    torch.ops._C.flash_mla_with_kvcache_cpu(
-        out_r, q_r.contiguous(), window_cache_2d, window_slots, swa.block_size,
-        pool_2d, locations, pool_block, attn.attn_sink, attn.scale)
+    with worker.staging_arena(layer) as arena:  # released once attention has read its rows
+        locations = worker.resolve_tokens(layer, plan, topk, arena)  # [T_r, k] int64 rows
+        torch.ops._C.flash_mla_with_kvcache_cpu(
+            out_r, q_r.contiguous(), window_cache_2d, window_slots, swa.block_size,
+            pool_2d, locations, pool_block, attn.attn_sink, attn.scale)
     output[idx] = out_r

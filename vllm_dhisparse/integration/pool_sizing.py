@@ -4,12 +4,15 @@ Per sparse (c4a) layer, one source:
 
 * **device pool** (pages of ``rows_per_block`` rows, one vLLM block's worth):
   the *floor* is what ``max_num_seqs`` running requests require -- each a hot
-  cache of ``B`` rows, ``tail_pages`` tail pages and its verification staging
-  (``K_max * k - B`` rows plus the rows computed in the step) -- plus
+  cache of ``B`` rows and ``tail_pages`` tail pages -- plus
   ``admission_reserve_pages``.  ``device_pool_pages = 0`` (auto) gives the
   floor plus as many pages again for optional history (one hot cache's worth
   per running request); an explicit value must be at least the floor.
 * **host pool**: ``host_pool_gib`` split evenly over the sparse layers.
+
+Shared by the sources: ``staging_arenas`` (chi) verification arenas of
+``max_num_seqs x (K_max * k - B + fresh)`` rows, where ``fresh`` bounds the
+rows one step computes per request (eq. 11; hierarchy/staging_arena.py).
 
 The device pools are counted **inside** the KV memory the operator gives vLLM
 (``--kv-cache-memory-bytes``, or the share from ``--gpu-memory-utilization``):
@@ -26,7 +29,7 @@ from vllm.logger import init_logger
 
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.hierarchy.sizing import staging_bytes
-from vllm_dhisparse.hierarchy.specs import SourceSpec
+from vllm_dhisparse.hierarchy.specs import SourceSpec, StagingSpec, device_bytes
 
 from .support import connector_config
 
@@ -52,8 +55,20 @@ class LayerShape:
 @dataclass(frozen=True)
 class SourcePlan:
     spec: SourceSpec
-    fresh_rows: int  # staging columns for rows computed in the current step
+    fresh_rows: int  # arena columns for rows computed in the current step
+    overflow_rows: int  # arena columns for verification misses beyond B: K_max * k - B
     floor_pages: int
+
+
+def plan_staging(cfg: DHiSparseConfig, plans: list[SourcePlan]) -> StagingSpec | None:
+    """The arenas the sources share: chi x N x (overflow + fresh) rows."""
+    if not plans:
+        return None
+    if cfg.staging_arenas > len(plans):
+        raise ValueError(f"kv_connector_extra_config['staging_arenas'] = {cfg.staging_arenas} "
+                         f"exceeds the {len(plans)} sparse layers; allowed 1..{len(plans)}")
+    columns = max(p.overflow_rows for p in plans) + max(p.fresh_rows for p in plans)
+    return StagingSpec(arenas=cfg.staging_arenas, columns=columns)
 
 
 def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num_seqs: int,
@@ -65,9 +80,9 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
         layer_rows = -(-max_model_len // layer.compress_ratio) + 1
         hot = cfg.hot_rows_for(layer.top_k)
         fresh = -(-max_queries // layer.compress_ratio) + 1
-        staging = max(0, max_queries * layer.top_k - hot) + fresh
+        overflow = max(0, max_queries * layer.top_k - hot)
         page = layer.rows_per_block
-        per_req_pages = -(-hot // page) + cfg.tail_pages + -(-staging // page)
+        per_req_pages = -(-hot // page) + cfg.tail_pages
         host_rows = int(cfg.host_pool_gib * GIB) // (layer.row_bytes * len(layers))
         if host_rows < layer_rows:
             raise ValueError(
@@ -86,39 +101,39 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
             raise ValueError(
                 f"kv_connector_extra_config['device_pool_pages'] = {device_pages} is below what "
                 f"max_num_seqs={max_num_seqs} running requests require ({per_req_pages} "
-                f"pages each: hot cache, tail, staging) plus admission_reserve_pages "
+                f"pages each: hot cache, tail) plus admission_reserve_pages "
                 f"{cfg.admission_reserve_pages}; allowed >= {floor} (or 0 = auto)")
         plans.append(SourcePlan(SourceSpec(
             name=layer.name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
             host_rows=host_rows, hot_rows=hot, tail_pages=cfg.tail_pages,
-            max_slots=max_num_seqs, max_rows=layer_rows, staging_rows=staging,
-            segments=layer.segments), fresh, floor))
+            max_slots=max_num_seqs, max_rows=layer_rows,
+            segments=layer.segments), fresh, overflow, floor))
     return plans
 
 
-def device_pool_bytes(plans: list[SourcePlan]) -> int:
-    return sum(p.spec.device_pages * p.spec.page_size * p.spec.row_bytes for p in plans)
+def device_pool_bytes(plans: list[SourcePlan], staging: StagingSpec | None) -> int:
+    """Device bytes of the pools and the arenas (what ``KVHierarchy`` allocates)."""
+    return device_bytes([p.spec for p in plans], staging)
 
 
-def staging_sizes(plans: list[SourcePlan], layers: list, k_max: int) -> dict:
-    """Verification staging: what the pools reserve today (every request slot, every
-    source) next to eq. 11's bound with chi = 1 reused arena (layers run one after
-    another on CPU): ``N * K_max * k * d_KV`` for the widest source."""
-    reserved = 0
-    for p in plans:
-        s = p.spec
-        reserved += s.max_slots * -(-s.staging_rows // s.page_size) * s.page_size * s.row_bytes
+def staging_sizes(plans: list[SourcePlan], staging: StagingSpec | None, layers: list,
+                  k_max: int) -> dict:
+    """Verification staging: the arenas' bytes next to eq. 11's bound
+    ``M_stage = chi * N * K_max * k * d_KV`` for the widest source."""
     n = plans[0].spec.max_slots if plans else 0
+    chi = staging.arenas if staging else 0
+    arena = device_pool_bytes(plans, staging) - device_pool_bytes(plans, None)
     widest = max((layer.top_k * layer.row_bytes for layer in layers), default=0)
-    return dict(staging_reserved_bytes=reserved,
-                staging_bound_bytes=staging_bytes(1, n, k_max, 1, widest))
+    return dict(staging_arenas=chi, staging_reserved_bytes=arena,
+                staging_bound_bytes=staging_bytes(chi, n, k_max, 1, widest))
 
 
-def check_budgeted(plans: list[SourcePlan]) -> None:
+def check_budgeted(plans: list[SourcePlan], staging: StagingSpec | None) -> None:
     """The pools about to be allocated are the ones taken off vLLM's budget."""
-    if BUDGETED_BYTES is not None and device_pool_bytes(plans) != BUDGETED_BYTES:
+    need = device_pool_bytes(plans, staging)
+    if BUDGETED_BYTES is not None and need != BUDGETED_BYTES:
         raise RuntimeError(
-            f"DHiSparse: the device pools need {device_pool_bytes(plans)} B but "
+            f"DHiSparse: the device pools need {need} B but "
             f"{BUDGETED_BYTES} B were taken off vLLM's KV budget (the c4a block size of "
             f"vLLM's KV cache config differs from cache_config.block_size)")
 
@@ -158,7 +173,10 @@ def install_budget() -> None:
         if connector_config(self.vllm_config) is None:
             return available
         global BUDGETED_BYTES
-        pools = device_pool_bytes(budget_plans(self.vllm_config))
+        cfg = DHiSparseConfig.from_extra_config(
+            self.vllm_config.kv_transfer_config.kv_connector_extra_config)
+        plans = budget_plans(self.vllm_config)
+        pools = device_pool_bytes(plans, plan_staging(cfg, plans))
         BUDGETED_BYTES = pools
         if pools >= available:
             raise ValueError(

@@ -104,17 +104,23 @@ METRICS: tuple[MetricDef, ...] = (
                               "numerator)."),
     _g("optional_pages", "Optional-history device pages held (ready)."),
     _g("pending_pages", "Device pages being repopulated (copy in flight, not yet published)."),
-    _g("required_pages", "Required device pages held (hot cache, tail, staging)."),
+    _g("required_pages", "Required device pages held (hot cache, tail)."),
     _g("reserve_pages", "Admission reserve M_res (pages kept free for admissions)."),
     _g("free_pages", "Free device pages of the hierarchy's pools."),
     _g("device_pages", "Device pages of the hierarchy's pools (M)."),
     _g("host_bytes_used", "Host backing store bytes reserved by admitted requests."),
     _g("host_bytes_total", "Host backing store capacity, bytes."),
-    _g("staging_bytes", "Device bytes of verification staging rows held by admitted requests."),
+    _g("staging_bytes", "Peak staging-arena bytes handed to layers at once in the last step "
+                        "(verification misses beyond the hot cache, rows of the step); "
+                        "at most M_stage."),
+    _g("staging_arena_bytes", "Device bytes of the staging_arenas (chi arenas shared by the "
+                              "sparse layers, allocated once)."),
+    _c("arena_reuses", "Staging-arena takes by a layer after another layer of the same step "
+                       "staged in that arena (layers reuse chi arenas)."),
     # -- speculative decoding (acceptance itself: vLLM's vllm:spec_decode_* counters) --
     _g("draft_ring_rows", "R_d (eq. 9): draft-KV rows a request holds at most, prefill "
                           "included; 0 without a DSpark / DFlash2 drafter."),
-    _g("staging_bound_bytes", "M_stage (eq. 11, one reused arena): N x K_max x k x d_KV; "
+    _g("staging_bound_bytes", "M_stage (eq. 11): chi x N x K_max x k x d_KV; "
                               "0 without a DSpark / DFlash2 drafter."),
     MetricDef("verify_queries", "vllm:dhisparse_verify_queries", "histogram",
               "K_r: queries of one admitted request in one decode step (anchor + drafts; 1 "
@@ -252,10 +258,10 @@ class StatsCollector:
             gauges["device_pages"] += src["device_pages"]
             gauges["host_bytes_used"] += src["host_bytes_used"]
             gauges["host_bytes_total"] += src["host_bytes_total"]
-            parts = h.source(name)
-            rm = parts.residency
-            gauges["staging_bytes"] += (rm.staging_pages * len(rm.requests) * rm.page_size
-                                        * parts.spec.row_bytes)
+        staging = summary["staging"]
+        gauges["staging_bytes"] = staging["staging_bytes"]
+        gauges["staging_arena_bytes"] = staging["arena_bytes"]
+        counters["arena_reuses"] = staging["arena_reuses"]
         gauges["admitted_requests"] = len(h.requests)
         pd = getattr(worker, "handoff", None)  # kv_producer / kv_consumer only
         handoff = pd.summary() if pd is not None else {}
@@ -317,7 +323,7 @@ def summarize(worker: "WorkerSide") -> dict:
                device_pool_bytes=worker.device_pool_bytes,
                host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
     tot["prompt_tokens_computed"] = worker.prompt_tokens_computed
-    out = dict(totals=tot, sources=st["sources"])
+    out = dict(totals=tot, sources=st["sources"], staging=st["staging"])
     if worker.handoff is not None:
         out["handoff"] = worker.handoff.summary()
     if worker.spec_sizes is not None:

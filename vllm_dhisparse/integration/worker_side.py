@@ -14,9 +14,11 @@ After the forward (``wait_for_save``):
 Requests in prefill read vLLM's cache, as in resident serving.
 
 Rows computed in the current step (the anchor's and the drafts') are not
-committed yet: the attention hook reads them through per-request staging
-rows, copied from vLLM's cache for that step only, so a rejected draft never
-reaches the hierarchy.
+committed yet: the attention hook reads them through the layer's
+``staging_arena`` (the request's rows of it), copied from vLLM's cache for
+that layer only, so a rejected draft never reaches the hierarchy.  Accepted
+rows are committed from vLLM's cache once ``num_computed_tokens`` covers them
+(the next step's ``begin_step``), then backed up like any tail row.
 
 Prefill/decode roles (handoff_worker.py): a ``kv_producer`` captures a
 request's KV after the forward that completes its prefill, before admission;
@@ -47,7 +49,7 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 from .handoff_worker import HandoffWorker, LoadJob
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
-from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources, staging_sizes
+from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources, plan_staging, staging_sizes
 from .routing import RoutingPlan, StepRouting
 from .stats import StatsCollector, summarize, time_resolve_enabled, write_json_atomic
 from .vllm_cache import VllmC4aCaches
@@ -92,7 +94,7 @@ class WorkerSide:
         self.requests: dict[str, TrackedRequest] = {}
         self.vllm_cache = VllmC4aCaches()
         self.failed: dict[str, str] = {}
-        self.fresh_rows: dict[str, int] = {}  # per source: staging columns for this step's rows
+        self.fresh_rows: dict[str, int] = {}  # per source: arena columns for this step's rows
         self.pending_appends: dict[str, list] = {}  # per source: (request, have, want) rows
         self.fresh_selections = 0  # selections of rows computed this step (tail, direct)
         self.step_req_ids: list[str] = []  # requests scheduled in the current step
@@ -116,11 +118,11 @@ class WorkerSide:
                                          list(self.layers.values()), self._vllm_rows_upto)
         plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
                              self.max_num_seqs, self.max_queries)
-        check_budgeted(plans)
+        staging = plan_staging(self.cfg, plans)
+        check_budgeted(plans, staging)
         self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
-        self.device_pool_bytes = device_pool_bytes(plans)
         if self.spec_sizes is not None:
-            self.spec_sizes.update(staging_sizes(plans, list(self.layers.values()),
+            self.spec_sizes.update(staging_sizes(plans, staging, list(self.layers.values()),
                                                  self.spec_sizes["k_max"]))
             logger.info("DHiSparse speculation: %s", self.spec_sizes)
         specs = [p.spec for p in plans]
@@ -130,7 +132,10 @@ class WorkerSide:
             reclaim_policy=self.cfg.reclaim_policy,
             optional_residency=self.cfg.optional_residency, eager_backup=self.cfg.eager_backup)
         self.hierarchy = KVHierarchy(specs, residency, device=self.device,
-                                     backend=self.cfg.resolver_backend)
+                                     backend=self.cfg.resolver_backend, staging=staging)
+        self.device_pool_bytes = self.hierarchy.device_bytes  # what was allocated
+        assert self.device_pool_bytes == device_pool_bytes(plans, staging), \
+            "the hierarchy allocated other sizes than pool_sizing planned"
         logger.info("DHiSparse: %d sparse sources (%s), hot cache %d rows, host pool %.2f GiB",
                     len(specs), ", ".join(self.layers), specs[0].hot_rows, self.cfg.host_pool_gib)
 
@@ -347,9 +352,15 @@ class WorkerSide:
 
     # -- attention hook support ------------------------------------------------------------
     def attention_cache(self, layer: SparseLayer) -> tuple[torch.Tensor, int]:
-        """The pool as the attention op's ``(cache_2d, block_size)``: one block of all rows."""
-        pool = self.hierarchy.source(layer.name).pool
-        return pool.storage.view(1, -1), pool.num_rows
+        """The storage the source's pool and staging arenas share, as the attention op's
+        ``(cache_2d, block_size)``: one block of all rows, which locations index."""
+        rows = self.hierarchy.source(layer.name).pool.device_rows
+        return rows.storage.view(1, -1), rows.num_rows
+
+    def staging_arena(self, layer: SparseLayer):
+        """Context manager: the staging arena ``layer`` holds from its resolve until its
+        attention has returned (``KVHierarchy.staging_arena``)."""
+        return self.hierarchy.staging_arena(layer.name)
 
     def routing_plan(self, layer: SparseLayer, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      token_rows: torch.Tensor) -> RoutingPlan:
@@ -359,8 +370,12 @@ class WorkerSide:
                                  layer.rows_per_block * layer.compress_ratio, block_table,
                                  seq_lens, token_rows)
 
-    def resolve_tokens(self, layer: SparseLayer, plan: RoutingPlan, topk: torch.Tensor) -> torch.Tensor:
-        """Routed tokens' top-k rows -> pool rows.  topk [T_r, k] int32 -> [T_r, k] int64."""
+    def resolve_tokens(self, layer: SparseLayer, plan: RoutingPlan, topk: torch.Tensor,
+                       arena) -> torch.Tensor:
+        """Routed tokens' top-k rows -> storage rows.  topk [T_r, k] int32 -> [T_r, k] int64.
+
+        ``arena`` (from ``staging_arena(layer)``, held until attention has read the rows):
+        batch row i's overflow misses and this step's rows go to request i's arena rows."""
         h = self.hierarchy
         parts = h.source(layer.name)
         req_ids, tok_n, tok_j = plan.req_ids, plan.tok_n, plan.tok_j
@@ -383,7 +398,7 @@ class WorkerSide:
                     want = torch.unique(sel[i][fresh[i]].to(torch.int64))
                     if want.numel() > cap:
                         raise RuntimeError(f"{want.numel()} rows computed this step exceed the "
-                                           f"{cap} staging rows reserved for them")
+                                           f"{cap} staging arena rows planned for them")
                     wants[i] = want
         # A request failed in this step reads no row (its output is discarded with the
         # error); the others are resolved together.
@@ -391,10 +406,12 @@ class WorkerSide:
         committed_sel = torch.where(fresh, -1, sel)
         ok = [i for i, r in enumerate(reqs) if not r.failed]
         resolved = list(ok)  # the resolver counted these requests' selections
+        need = parts.resolver.staging_columns(kq, top_k)  # K*k - B overflow columns
         if ok:
             t0 = time.perf_counter()
             try:
-                got, _ = h.resolve(layer.name, [req_ids[i] for i in ok], committed_sel[ok])
+                got, _ = h.resolve(layer.name, [req_ids[i] for i in ok], committed_sel[ok],
+                                   staging_rows=arena.overflow_rows(ok, need))
                 locs[ok] = got.to(torch.int64)
             except Exception:  # noqa: BLE001 -- find whose: one request at a time, isolated
                 logger.exception("DHiSparse: a batched resolve failed; resolving its %d requests "
@@ -402,7 +419,8 @@ class WorkerSide:
                 resolved = []
                 for i in ok:
                     with self._isolated(reqs[i]):
-                        got, _ = h.resolve(layer.name, [req_ids[i]], committed_sel[i:i + 1])
+                        got, _ = h.resolve(layer.name, [req_ids[i]], committed_sel[i:i + 1],
+                                           staging_rows=arena.overflow_rows([i], need))
                         locs[i] = got[0].to(torch.int64)
                         resolved.append(i)
             if self.time_resolve:
@@ -413,8 +431,7 @@ class WorkerSide:
             if reqs[i].failed:  # failed above, or released meanwhile by the hierarchy
                 continue
             with self._isolated(reqs[i]):
-                staging = parts.pool.page_rows(parts.residency.request(req_ids[i]).staging)
-                dst = staging[staging.numel() - want.numel():].to(sel.device)
+                dst = arena.fresh_rows(i, want.numel())  # [n] int64, request i's own rows
                 parts.pool.write(dst, self.vllm_cache.rows(layer, reqs[i].block_ids[layer.group],
                                                            want))
                 locs[i][fresh[i]] = dst[torch.searchsorted(want, sel[i][fresh[i]].to(torch.int64))]
