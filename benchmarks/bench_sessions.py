@@ -173,7 +173,10 @@ def _metadata_bytes(h) -> int:
 
 
 def _device_bytes(h) -> int:
-    return _metadata_bytes(h) + sum(p.pool.storage.nbytes for p in h.sources.values())
+    """State tables plus every device row storage once (sources of one row layout share
+    one storage)."""
+    storages = {p.pool.storage.data_ptr(): p.pool.storage.nbytes for p in h.sources.values()}
+    return _metadata_bytes(h) + sum(storages.values())
 
 
 def main(argv=None) -> int:
