@@ -272,3 +272,18 @@ def test_pool_smaller_than_a_page():
     args["page_table"][0, 1] = 0
     got = _direct_call(args, num_device_rows=1)
     assert int(got[4][0, COUNTER_REPAIRS]) == 1  # the entry 0 of page 1; page 0's -1 is fine
+
+
+def test_page_entries_before_the_sources_first_row_are_repaired(path):
+    """Pools sharing one storage: the source's rows are [F, R); an entry below F (another
+    source's pool) is a page not ready, like one past R - page_size."""
+    args = dict(selections=torch.tensor([[[0, 1, 4, 5, 9]]], dtype=torch.int32, device=DEVICE),
+                slot_ids=torch.tensor([0], dtype=torch.int32, device=DEVICE),
+                staging_rows=torch.zeros(1, 8, dtype=torch.int32, device=DEVICE),
+                **_tables(1, 4, 12, 3))
+    args["hot_rows"] += 40
+    args["page_table"][0] = torch.tensor([20, 19, 32], dtype=torch.int32)  # F = 20, R = 36
+    got = _direct_call(args, first_device_row=20, num_device_rows=36)
+    assert got[0][0, 0, :2].tolist() == [20, 21]  # page 0 at F: direct
+    assert int(got[4][0, COUNTER_REPAIRS]) == 2  # page 1 at F - 1: rows 4 and 5
+    assert int(got[4][0, 0]) == 3  # direct: 0, 1 and 9 (page 2 ends at R - 1)

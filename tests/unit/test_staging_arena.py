@@ -177,3 +177,19 @@ def test_arenas_are_allocated_once_per_layout_and_no_pool_reserves_staging():
                         staging=dict(arenas=1, columns=COLUMNS))
     assert len(mixed.device_rows) == 2 and len(mixed.staging) == 2  # one per row layout
     assert mixed.sources["a"].arenas is not mixed.sources["w"].arenas
+
+
+def test_a_corrupt_page_entry_never_reads_another_sources_rows_or_an_arena():
+    """Pools sharing one storage bound their own page tables: an entry naming a row of
+    another source's pool or of an arena is repaired (re-fetched from host, counted),
+    never read."""
+    h, truth = hierarchy()
+    a, b = h.sources["a"], h.sources["b"]
+    assert a.pool.storage.data_ptr() == b.pool.storage.data_ptr()  # one storage
+    slot = b.state.slot("r0")
+    b.state.page_table[slot, 0] = a.pool.row_range[0]  # rows 0-2 of r0: a's first page
+    b.state.page_table[slot, 1] = b.arenas.base_row  # rows 3-5: the arena's first rows
+    sel = torch.tensor([[[0, 2, 3, 5]], [[0, 2, 3, 5]]], dtype=torch.int32)
+    loc, counters = h.resolve("b", ["r0", "r1"], sel)
+    verify_rows(h, "b", truth, ["r0", "r1"], sel, loc)
+    assert counters[:, 4].tolist() == [4, 0]  # every selection of the corrupt pages

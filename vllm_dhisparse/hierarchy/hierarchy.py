@@ -110,7 +110,8 @@ class KVHierarchy:
                                   base_row=base)
             host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows,
                              copies=self.copies)
-            resolver = Resolver(state, pool.segments, host.rows, backend=backend)
+            resolver = Resolver(state, pool.segments, host.rows, backend=backend,
+                                row_range=pool.row_range)
             residency = ResidencyManager(
                 state, pool, host, tail_pages=s.tail_pages,
                 reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,

@@ -62,9 +62,11 @@ class ResolverTotals:
 
 class Resolver:
     def __init__(self, source: SourceState, device_rows, host_rows: torch.Tensor,
-                 backend: str = "auto"):
+                 backend: str = "auto", row_range: tuple[int, int] | None = None):
         """``device_rows``: the pool's row tensor ``uint8 [R, row_bytes]``, or its segment
-        planes ``[(first byte, uint8 [R, seg_bytes]), ...]`` (see ``DevicePagePool``)."""
+        planes ``[(first byte, uint8 [R, seg_bytes]), ...]`` (see ``DevicePagePool``).
+        ``row_range``: the rows ``[first, end)`` of them that are this source's (a pool
+        in a shared storage); page table entries outside it are repaired, never read."""
         if isinstance(device_rows, torch.Tensor):
             device_rows = [(0, device_rows)]
         widths = [plane.shape[1] if plane.dim() == 2 else -1 for _, plane in device_rows]
@@ -79,6 +81,11 @@ class Resolver:
         self.source = source
         self.planes = device_rows
         self.host_rows = host_rows
+        rows = device_rows[0][1].shape[0]
+        first, end = row_range if row_range is not None else (0, rows)
+        if not 0 <= first <= end <= rows:
+            raise ValueError(f"row_range [{first}, {end}) must lie within the {rows} device rows")
+        self._bounds = dict(first_device_row=first, num_device_rows=end)
         device = device_rows[0][1].device
         self.backend = _pick_backend(backend, device)
         if self.backend == "triton":
@@ -156,7 +163,7 @@ class Resolver:
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
-        bounds = dict(num_device_rows=self.planes[0][1].shape[0], seq_lens=src.seq_lens)
+        bounds = dict(self._bounds, seq_lens=src.seq_lens)
         if self.backend == "triton":
             # the launch copies the misses itself: inside the resolve kernel for small
             # K*k and at most two byte planes, else one gather per plane

@@ -40,13 +40,16 @@ before it is used; an entry out of range degrades to "empty" (the row is
 fetched from host, which holds every row the hot cache or an optional page
 could hold) and is counted in ``counters[n, COUNTER_REPAIRS]``.  Nothing is
 ever read or written outside the slot's own table rows and rows.  Per batch
-row with slot s, B hot slots, P positions and R device rows:
+row with slot s, B hot slots, P positions and the source's pool at device rows
+``[F, R)`` (F = 0 when the pool has a storage of its own; pools that share one storage
+each bound their own tables, so a corrupt entry never names another source's rows or a
+staging arena):
 
 * ``slot_ids[n]`` outside ``[-1, S)``: a padding row, one repair.
 * ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1), by calls
   with a miss (they read the whole row to choose victims; a bad entry can never make
   a hit, since a hit needs ``hot_pos[s, v]`` to equal a row in ``[0, P)``).
-* ``page_table[s, p]`` outside ``{-1} ∪ [0, R - page_size]``: the page is
+* ``page_table[s, p]`` outside ``{-1} ∪ [F, R - page_size]``: the page is
   treated as not ready in this call (the table is only read here; its owner
   republishes it).  Counted once per selection that reads it.
 * ``hot_slot_of[s, pos]`` other than -1 that is not a consistent hit
@@ -81,7 +84,8 @@ def resolve_reference(
     staging_rows: torch.Tensor,  # [N, C] int32 device rows for overflow misses
     host_base: torch.Tensor,  # [S] int64 host row of each slot's row 0
     *,
-    num_device_rows: int,  # R: rows of the device pool (bounds of page_table entries)
+    num_device_rows: int,  # R: end of the source's device rows (bounds page_table entries)
+    first_device_row: int = 0,  # F: first of them (pools sharing one storage)
     seq_lens: torch.Tensor | None = None,  # [S] int32 rows written per slot (bounds selections)
 ):
     """Returns ``(locations, miss_src, miss_dst, miss_count, counters)``.
@@ -122,7 +126,8 @@ def resolve_reference(
         page = pos // page_size
         in_table = page < max_pages
         page_base = torch.where(in_table, page_table[slot, page.clamp(max=max_pages - 1)].long(), -1)
-        pt_bad = valid & ((page_base < -1) | (page_base > max(num_device_rows - page_size, -1)))
+        pt_bad = valid & ((page_base < -1) | ((page_base >= 0) & (page_base < first_device_row))
+                          | (page_base > max(num_device_rows - page_size, -1)))
         direct = valid & (page_base >= 0) & ~pt_bad
         loc[direct] = page_base[direct] + pos[direct] % page_size
 

@@ -128,13 +128,14 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 
 @triton.jit
-def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row, hot_rows_row,
+def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, hot_pos_row,
+            hot_rows_row,
             limit, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
     """Phase 1 lookups of selections ``j`` on the entry state; writes no state table,
     only the lanes' locations and keys (host: pos, hit: -2 - pos, else -1).
 
     Every table entry is range-checked before it is used as an index: a page_table
-    entry outside {-1} u [0, R - PAGE_SIZE] is a page not ready, a hot_slot_of entry
+    entry outside {-1} u [F, R - PAGE_SIZE] is a page not ready, a hot_slot_of entry
     is a hit only when it is a slot whose hot_pos points back at the row.  A selection
     outside [-1, limit) reads nothing and is counted as invalid.  Returns the lanes'
     position, hot_slot_of entry, hit and host masks, and the chunk's direct, hot, host,
@@ -147,7 +148,7 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_ro
     # hot_slot_of is read in parallel with the page table (one dependent step less)
     pt = tl.load(pt_row + page, mask=valid & (page < max_pages), other=-1)
     v = tl.load(hso_row + pos, mask=valid, other=-1)
-    pt_bad = valid & ((pt < -1) | (pt > pt_last))
+    pt_bad = valid & ((pt < -1) | ((pt >= 0) & (pt < pt_first)) | (pt > pt_last))
     direct = valid & (pt >= 0) & ~pt_bad
     nondirect = valid & ~direct
     v_in = nondirect & (v >= 0) & (v < B)
@@ -295,7 +296,8 @@ def _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, copy_dst2_ptr,
 def _resolve_kernel(
     sel_ptr, sel_stride,  # [N, W] int32 (selections viewed as [N, K*k])
     slot_ids_ptr, n_slots,  # [N] int32, -1 = padding row
-    page_table_ptr, page_table_stride, max_pages, pt_last,  # [S, max_pages] int32, R - PAGE_SIZE
+    page_table_ptr, page_table_stride, max_pages,  # [S, max_pages] int32
+    pt_first, pt_last,  # entries in [F, R - PAGE_SIZE]: the source's own device rows
     hot_pos_ptr, hot_pos_stride,  # [S, B] int32 (updated)
     hot_rows_ptr, hot_rows_stride,  # [S, B] int32
     stamp_ptr, stamp_stride,  # [S, B] int32 (updated)
@@ -359,7 +361,7 @@ def _resolve_kernel(
         j = offs_w
         m = j < W
         pos, v, hot, host, n_direct, n_hot, n_host, rep1, n_invalid = _lookup(
-            sel_row, j, m, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
+            sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, hot_pos_row,
             hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
         repairs += rep1
     else:
@@ -367,8 +369,8 @@ def _resolve_kernel(
             jc = w0 + offs_w
             mc = jc < W
             _, vc, _, _, n_dir_c, n_hot_c, n_host_c, n_rep_c, n_inv_c = _lookup(
-                sel_row, jc, mc, real, pt_row, max_pages, pt_last, hso_row, hot_pos_row,
-                hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
+                sel_row, jc, mc, real, pt_row, max_pages, pt_first, pt_last, hso_row,
+                hot_pos_row, hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
             tl.store(mj_ptr + jc, vc, mask=mc)  # entry values for 1b (mj is free until phase 2)
             n_direct += n_dir_c
             n_hot += n_hot_c
@@ -605,11 +607,13 @@ def fuses_copy(width: int, fused_copy=None) -> bool:
 
 def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_stamp,
             hot_clock, hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
-            fused_copy=None, *, num_device_rows=None, seq_lens=None):
+            fused_copy=None, *, num_device_rows=None, first_device_row=0, seq_lens=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
 
-    ``num_device_rows`` (R, the bound of page_table entries) defaults to the device
-    rows' count when they are given; one of the two is required.
+    ``num_device_rows`` (R, the end of the source's device rows, which bounds
+    page_table entries) defaults to the device rows' count when they are given; one
+    of the two is required.  ``first_device_row`` (F) is where the source's rows start
+    when pools share one storage.
 
     With ``host_rows`` and ``device_rows`` it also copies the misses (what
     ``gather_rows`` of the returned miss list would do, byte for byte).
@@ -675,6 +679,10 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             or not 0 <= num_device_rows <= _INT32_MAX:
         raise ValueError(f"num_device_rows must be an int in [0, {_INT32_MAX}], "
                          f"got {num_device_rows!r}")
+    if isinstance(first_device_row, bool) or not isinstance(first_device_row, numbers.Integral) \
+            or not 0 <= first_device_row <= num_device_rows:
+        raise ValueError(f"first_device_row must be an int in [0, num_device_rows = "
+                         f"{num_device_rows}], got {first_device_row!r}")
     need = max(0, width - budget)
     if staging_rows.shape[1] < need:
         raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {budget} = "
@@ -746,7 +754,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
             slot_ids, n_slots,
-            page_table, page_table.stride(0), page_table.shape[1],
+            page_table, page_table.stride(0), page_table.shape[1], int(first_device_row),
             max(int(num_device_rows) - int(page_size), -1),
             hot_pos, hot_pos.stride(0),
             hot_rows, hot_rows.stride(0),
