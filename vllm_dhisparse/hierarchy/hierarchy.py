@@ -33,13 +33,14 @@ from typing import Any, Mapping
 
 import torch
 
-from .device_pool import DevicePagePool, DeviceRows
+from .device_pool import DevicePagePool
 from .host_store import HostBackupError, HostStore
 from .pinned import check_host_memory
 from .residency import ResidencyManager
 from .resolver import Resolver
 from .source_state import SourceState
-from .specs import ResidencyConfig, SourceSpec, StagingSpec, device_rows_per_group, layout_groups
+from .placement import place
+from .specs import ResidencyConfig, SourceSpec, StagingSpec
 from .staging_arena import ArenaLease, StagingArenas, sum_stats
 from .transfers import CopyStream
 
@@ -81,27 +82,11 @@ class KVHierarchy:
             staging = StagingSpec.from_dict(staging)
         self.copies = CopyStream(device)  # backups and repopulation overlap compute
         self._last_active: dict[str, int] = {}  # request -> last step it produced rows
-        # one storage per row layout: [pool of each source][chi arenas]
-        self.device_rows: list[DeviceRows] = []
-        self.staging: list[StagingArenas] = []
-        placed: dict[str, tuple[DeviceRows, int, StagingArenas | None]] = {}
-        sizes = device_rows_per_group(specs, staging)
-        for layout, members in layout_groups(specs).items():
-            pool_rows, arena_rows = sizes[layout]
-            rows = DeviceRows(name="+".join(m.name for m in members),
-                              num_rows=pool_rows + arena_rows, segments=layout, device=device)
-            self.device_rows.append(rows)
-            arenas = StagingArenas(rows=rows, base_row=pool_rows, arenas=staging.arenas,
-                                   slots=max(m.max_slots for m in members),
-                                   columns=staging.columns) if staging else None
-            self.staging += [arenas] if arenas else []
-            base = 0
-            for m in members:
-                placed[m.name] = (rows, base, arenas)
-                base += m.device_pages * m.page_size
+        self.device_rows, self.staging, placed = place(specs, staging, device)
         self.sources: dict[str, SourceParts] = {}
         for s in specs:
-            rows, base, arenas = placed[s.name]
+            rows, base, arenas = (placed[s.name].rows, placed[s.name].base_row,
+                                  placed[s.name].arenas)
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
                                 max_slots=s.max_slots, max_rows=s.max_rows,
                                 hot_rows_per_slot=s.hot_rows, device=device)
@@ -263,7 +248,9 @@ class KVHierarchy:
         parts = self.source(source)
         if validate:
             parts.resolver.validate(req_ids, selections)
-        if staging_rows is None and arena is not None:
+        if staging_rows is not None and arena is not None:
+            raise ValueError("pass staging_rows or a staging arena lease, not both")
+        if arena is not None:
             if arena.source != source or arena.arenas is not parts.arenas:
                 raise ValueError(f"staging arena held by source {arena.source!r} passed to a "
                                  f"resolve of source {source!r}")

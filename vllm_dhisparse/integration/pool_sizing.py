@@ -183,7 +183,8 @@ def install_budget() -> None:
                 f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "
                 f"the {available / GIB:.3f} GiB KV budget, leaving nothing for vLLM's blocks; "
                 f"raise --kv-cache-memory-bytes (or --gpu-memory-utilization), or lower "
-                f"max_num_seqs / kv_connector_extra_config['device_pool_pages']")
+                f"max_num_seqs / kv_connector_extra_config['device_pool_pages'] / "
+                f"kv_connector_extra_config['staging_arenas']")
         logger.info("DHiSparse: %.3f GiB of the %.3f GiB KV budget go to the hierarchy's "
                     "device pools, %.3f GiB to vLLM's blocks", pools / GIB, available / GIB,
                     (available - pools) / GIB)
