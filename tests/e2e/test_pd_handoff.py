@@ -33,6 +33,7 @@ DECODE = {"hot_cache_rows": 512, "optional_residency": False}  # small hot cache
 # both arms alike: one engine core in the process, one reserved CPU core (vLLM reserves one
 # more for a KV connector, and another thread count rounds differently)
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+SETS = "ABCD"
 
 
 def args(lens=LENS, max_tokens=MAX_TOKENS):
@@ -46,15 +47,16 @@ def free_port() -> int:
 
 
 class Producer:
-    """A kv_producer engine that prefilled LENS three times (handoff sets A, B, C) and
-    serves pulls until ``stop``."""
+    """A kv_producer engine that prefilled LENS four times (handoff sets A, B, C, D: one
+    per test that pulls, so no test depends on another having run) and serves pulls
+    until ``stop``."""
 
     def __init__(self, model, tmp):
         self.stop_file = str(tmp / "stop")
         # port 0: the worker binds a free port and reports it through vLLM's handshake
         cfg = {"handoff_port": 0, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
         cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
-               *args(max_tokens=[1]), "--repeat", "3", "--kv-role", "kv_producer",
+               *args(max_tokens=[1]), "--repeat", str(len(SETS)), "--kv-role", "kv_producer",
                "--remote-decode", "--hold-until", self.stop_file, "--connector", json.dumps(cfg)]
         self.log = open(tmp / "producer.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -69,7 +71,7 @@ class Producer:
         self.result = json.loads(line.split(" ", 1)[1])
         params = [o["kv_transfer_params"] for o in self.result["outputs"]]
         n = len(LENS)
-        self.sets = {"A": params[:n], "B": params[n:2 * n], "C": params[2 * n:]}
+        self.sets = {name: params[k * n:(k + 1) * n] for k, name in enumerate(SETS)}
 
     def held_summary(self) -> dict:
         """Stops the producer; its connector counters after every pull."""
@@ -160,8 +162,15 @@ def test_without_params_decode_computes_the_prompt(demo_model, resident):
 
 
 def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident, tmp_path):
-    """Policy fail: a handoff already pulled (set A's) errors its request; the others load."""
-    params = [producer.sets["A"][0], *producer.sets["B"][1:]]
+    """Policy fail: a handoff already pulled errors its request; the others load.  The
+    test pulls set D's first handoff itself (as a decode instance that loaded it would),
+    so the consumer finds it gone whichever tests ran before."""
+    from vllm_dhisparse.integration.handoff_transport import pull
+    params = producer.sets["D"]
+    first = params[0]
+    taken, _ = pull(first["remote_host"], first["remote_port"],
+                    first["dhisparse"]["handoff_id"], timeout_s=30)
+    assert taken.num_tokens == LENS[0]
     got = decode(demo_model, tmp_path, params)
     assert got["outputs"][0]["finish_reason"] == "error", got["outputs"][0]
     assert_pd_outputs(got, resident, requests=[1, 2])
@@ -188,6 +197,7 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     # every capture is pulled once, held or expired; C's first two were never pulled
     # (their lease, 600 s, outlives the test)
     held = producer.held_summary()["handoff"]
-    assert held["captured"] == 3 * len(LENS), held
+    assert held["captured"] == len(SETS) * len(LENS), held
     assert held["captured"] == held["sent"] + held["held"] + held["expired"], held
     assert held["held"] >= 2 and held["sent"] >= 1 and held["expired"] == 0, held
+
