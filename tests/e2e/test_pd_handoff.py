@@ -16,10 +16,13 @@ token is a step of its own (chunked prefill) equals P/D bit for bit.
 """
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -201,3 +204,112 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     assert held["captured"] == held["sent"] + held["held"] + held["expired"], held
     assert held["held"] >= 2 and held["sent"] >= 1 and held["expired"] == 0, held
 
+
+def readme_pd_block() -> str:
+    """The bash block of README's P/D section that starts the two servers."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text.split("## Prefill/decode disaggregation", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "kv_producer" in block and "kv_consumer" in block, block
+    return block
+
+
+def metric(text: str, name: str, source: str | None = None) -> float:
+    """Sum of a Prometheus metric's samples (``source`` label, if given)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})? (\S+)$", text, re.M):
+        if source is None or f'source="{source}"' in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+def post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+def test_readme_two_servers(demo_model, resident, tmp_path):
+    """README's P/D block, run by bash as written (the demo model for MODEL, free ports
+    for 8100 / 8200 / 5790): its last request answers.  Then a prompt of resident
+    serving's through the same two servers, as the block's router steps do it: tokens
+    equal, logprobs after the first (module doc), and the decode server loaded the
+    prompt instead of computing it (its /metrics)."""
+    ports = {p: str(free_port()) for p in ("8100", "8200", "5790")}
+    block = readme_pd_block().replace("MODEL", demo_model)
+    for old, new in ports.items():
+        block = block.replace(old, new)
+    log = tmp_path / "readme_pd.log"
+    bin_dir = os.path.dirname(sys.executable)  # the venv's vllm-dhisparse
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # resident serving's thread count
+    with open(log, "w") as out:
+        shell = subprocess.Popen(["bash", "-c", block], stdout=out, stderr=subprocess.STDOUT,
+                                 env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        wait_for_block(shell, log)
+        text = log.read_text()
+        answers = [json.JSONDecoder().raw_decode(text[m.start():])[0]
+                   for m in re.finditer(r'\{"id":"cmpl-', text)]
+        assert shell.returncode == 0 and answers and answers[-1]["choices"][0]["text"], \
+            f"rc={shell.returncode}\n{text[-6000:]}"
+        prefill, decode_url = (f"http://127.0.0.1:{ports[p]}" for p in ("8100", "8200"))
+        from vllm_dhisparse.tools.offline_run import prompt_ids
+        req = dict(model=demo_model, prompt=prompt_ids(LENS[0], 0), temperature=0.0)
+        first = post_json(prefill + "/v1/completions", {
+            **req, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        got = post_json(decode_url + "/v1/completions", {
+            **req, "max_tokens": MAX_TOKENS[0], "logprobs": 1, "return_token_ids": True,
+            "kv_transfer_params": first["kv_transfer_params"]})["choices"][0]
+        want = resident["outputs"][0]
+        assert got["token_ids"] == want["token_ids"], (got["token_ids"], want["token_ids"])
+        lp = got["logprobs"]["token_logprobs"]
+        assert lp[1:] == pytest.approx(want["logprobs"][1:], abs=1e-6)
+        assert abs(lp[0] - want["logprobs"][0]) < 1e-3
+        with urllib.request.urlopen(decode_url + "/metrics", timeout=30) as r:
+            m = r.read().decode()
+        # two requests (README's and this one), each loaded; at most the last prompt token
+        # of each computed (computing the prompt would count LENS[0] here)
+        assert metric(m, "vllm:dhisparse_handoffs_received") == 2, m[-3000:]
+        assert metric(m, "vllm:prompt_tokens_by_source", "local_compute") <= 2
+        assert metric(m, "vllm:prompt_tokens_by_source", "external_kv_transfer") >= LENS[0] - 1
+    finally:
+        stop_group(shell.pid)
+
+
+def wait_for_block(shell: subprocess.Popen, log, timeout_s: float = 900) -> None:
+    """Until the block's shell exits; fails early when one of its servers has died (its
+    health loop would wait forever)."""
+    import psutil
+    deadline, started = time.time() + timeout_s, time.time()
+    while shell.poll() is None:
+        servers = 0
+        try:
+            children = psutil.Process(shell.pid).children()
+        except psutil.NoSuchProcess:  # the shell just ended
+            break
+        for p in children:
+            try:
+                servers += "api_server" in " ".join(p.cmdline())
+            except psutil.NoSuchProcess:  # a curl or sleep of the health loop ended
+                pass
+        assert servers == 2 or time.time() - started < 60, \
+            f"a server of the README block exited:\n{log.read_text()[-6000:]}"
+        assert time.time() < deadline, f"README block still running after {timeout_s:.0f} s"
+        time.sleep(2)
+    shell.wait(timeout=30)
+
+
+def stop_group(pgid: int, grace_s: float = 30) -> None:
+    """SIGTERM the process group (the servers the block put in the background), SIGKILL
+    what is left after ``grace_s``."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.time() + grace_s
+        while time.time() < deadline:
+            os.killpg(pgid, 0)
+            time.sleep(0.5)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
