@@ -280,25 +280,22 @@ def test_readme_two_servers(demo_model, resident, tmp_path):
 
 def wait_for_block(shell: subprocess.Popen, log, timeout_s: float = 900) -> None:
     """Until the block's shell exits; fails early when one of its servers has died (its
-    health loop would wait forever)."""
+    health loop would wait forever).  The servers are found by process group: the shell
+    that started them may be gone already."""
     import psutil
     deadline, started = time.time() + timeout_s, time.time()
     while shell.poll() is None:
         servers = 0
-        try:
-            children = psutil.Process(shell.pid).children()
-        except psutil.NoSuchProcess:  # the shell just ended
-            break
-        for p in children:
+        for p in psutil.process_iter(["cmdline"]):
             try:
-                servers += "api_server" in " ".join(p.cmdline())
-            except psutil.NoSuchProcess:  # a curl or sleep of the health loop ended
+                servers += os.getpgid(p.pid) == shell.pid and \
+                    "api_server" in " ".join(p.info["cmdline"] or [])
+            except ProcessLookupError:  # ended while we looked
                 pass
         assert servers == 2 or time.time() - started < 60, \
             f"a server of the README block exited:\n{log.read_text()[-6000:]}"
         assert time.time() < deadline, f"README block still running after {timeout_s:.0f} s"
         time.sleep(2)
-    shell.wait(timeout=30)
 
 
 def stop_group(pgid: int, grace_s: float = 30) -> None:
