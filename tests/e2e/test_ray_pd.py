@@ -254,8 +254,9 @@ def test_decode_replica_killed_mid_stream(pd_app, resident):
     time.sleep(max(0.0, t_orphan + LEASE_S + 1 - time.time()))
     assert_matches_resident(complete(url, 0), resident["outputs"][0], 0)
     h = pd_app["prefill"]()[prefill_pid]["handoff"]
-    # held: only that last request's handoff, captured in the step that wrote the counters
-    assert h["expired"] >= 1 and h["held"] == 1, (orphan["dhisparse"], h)
+    # the orphan is never pulled: only its lease counts it; what may still be held is that
+    # last request's handoff, captured in the step that wrote the counters
+    assert h["expired"] >= 1 and h["held"] <= 1, (orphan["dhisparse"], h)
     assert h["captured"] == h["sent"] + h["expired"] + h["held"], h
 
 
@@ -283,9 +284,7 @@ def test_prefill_replica_killed_mid_prefill(pd_app):
     # the engine burns CPU only while it computes: the prompt's prefill has started
     wait_for(lambda: cpu_seconds(prefill_pid) - cpu0 > 0.5, 120, "prefill engine computing")
     assert t.is_alive(), f"the prefill ended before the kill: {result}"
-    t_kill = time.time()
     kill_replica(ray, actor, prefill_pid)
     t.join(timeout=120)
     assert not t.is_alive(), "request still waiting 120 s after the prefill replica died"
     assert "answer" not in result and result.get("error"), result
-    assert time.time() - t_kill < 120
