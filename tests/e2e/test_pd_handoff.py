@@ -16,8 +16,6 @@ token is a step of its own (chunked prefill) equals P/D bit for bit.
 """
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +25,8 @@ import urllib.request
 import pytest
 
 from .conftest import REPO, assert_same_outputs, run_offline
+from .readme_block import (completions_in, metric, post_json, readme_pd_block, run_block,
+                           stop_group, wait_for_block)
 
 pytestmark = pytest.mark.e2e
 
@@ -205,31 +205,6 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     assert held["held"] >= 2 and held["sent"] >= 1 and held["expired"] == 0, held
 
 
-def readme_pd_block() -> str:
-    """The bash block of README's P/D section that starts the two servers."""
-    text = open(os.path.join(REPO, "README.md")).read()
-    section = text.split("## Prefill/decode disaggregation", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    assert "kv_producer" in block and "kv_consumer" in block, block
-    return block
-
-
-def metric(text: str, name: str, source: str | None = None) -> float:
-    """Sum of a Prometheus metric's samples (``source`` label, if given)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})? (\S+)$", text, re.M):
-        if source is None or f'source="{source}"' in (m.group(1) or ""):
-            total += float(m.group(2))
-    return total
-
-
-def post_json(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.load(r)
-
-
 def test_readme_two_servers(demo_model, resident, tmp_path):
     """README's P/D block, run by bash as written (the demo model for MODEL, free ports
     for 8100 / 8200 / 5790): its last request answers.  Then a prompt of resident
@@ -244,14 +219,11 @@ def test_readme_two_servers(demo_model, resident, tmp_path):
     bin_dir = os.path.dirname(sys.executable)  # the venv's vllm-dhisparse
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"],
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # resident serving's thread count
-    with open(log, "w") as out:
-        shell = subprocess.Popen(["bash", "-c", block], stdout=out, stderr=subprocess.STDOUT,
-                                 env=env, cwd=tmp_path, start_new_session=True)
+    shell = run_block(block, log, env, tmp_path)
     try:
         wait_for_block(shell, log)
         text = log.read_text()
-        answers = [json.JSONDecoder().raw_decode(text[m.start():])[0]
-                   for m in re.finditer(r'\{"id":"cmpl-', text)]
+        answers = completions_in(text)
         assert shell.returncode == 0 and answers and answers[-1]["choices"][0]["text"], \
             f"rc={shell.returncode}\n{text[-6000:]}"
         prefill, decode_url = (f"http://127.0.0.1:{ports[p]}" for p in ("8100", "8200"))
@@ -276,37 +248,3 @@ def test_readme_two_servers(demo_model, resident, tmp_path):
         assert metric(m, "vllm:prompt_tokens_by_source", "external_kv_transfer") >= LENS[0] - 1
     finally:
         stop_group(shell.pid)
-
-
-def wait_for_block(shell: subprocess.Popen, log, timeout_s: float = 900) -> None:
-    """Until the block's shell exits; fails early when one of its servers has died (its
-    health loop would wait forever).  The servers are found by process group: the shell
-    that started them may be gone already."""
-    import psutil
-    deadline, started = time.time() + timeout_s, time.time()
-    while shell.poll() is None:
-        servers = 0
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                servers += os.getpgid(p.pid) == shell.pid and \
-                    "api_server" in " ".join(p.info["cmdline"] or [])
-            except ProcessLookupError:  # ended while we looked
-                pass
-        assert servers == 2 or time.time() - started < 60, \
-            f"a server of the README block exited:\n{log.read_text()[-6000:]}"
-        assert time.time() < deadline, f"README block still running after {timeout_s:.0f} s"
-        time.sleep(2)
-
-
-def stop_group(pgid: int, grace_s: float = 30) -> None:
-    """SIGTERM the process group (the servers the block put in the background), SIGKILL
-    what is left after ``grace_s``."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-        deadline = time.time() + grace_s
-        while time.time() < deadline:
-            os.killpg(pgid, 0)
-            time.sleep(0.5)
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
