@@ -20,10 +20,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from .conftest import REPO, assert_same_outputs, run_offline
+from .readme_block import (completions_in, metric, post_json, readme_pd_block, run_block,
+                           stop_group, wait_for_block)
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +36,7 @@ DECODE = {"hot_cache_rows": 512, "optional_residency": False}  # small hot cache
 # both arms alike: one engine core in the process, one reserved CPU core (vLLM reserves one
 # more for a KV connector, and another thread count rounds differently)
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+SETS = "ABCD"
 
 
 def args(lens=LENS, max_tokens=MAX_TOKENS):
@@ -46,15 +50,16 @@ def free_port() -> int:
 
 
 class Producer:
-    """A kv_producer engine that prefilled LENS three times (handoff sets A, B, C) and
-    serves pulls until ``stop``."""
+    """A kv_producer engine that prefilled LENS four times (handoff sets A, B, C, D: one
+    per test that pulls, so no test depends on another having run) and serves pulls
+    until ``stop``."""
 
     def __init__(self, model, tmp):
         self.stop_file = str(tmp / "stop")
         # port 0: the worker binds a free port and reports it through vLLM's handshake
         cfg = {"handoff_port": 0, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
         cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
-               *args(max_tokens=[1]), "--repeat", "3", "--kv-role", "kv_producer",
+               *args(max_tokens=[1]), "--repeat", str(len(SETS)), "--kv-role", "kv_producer",
                "--remote-decode", "--hold-until", self.stop_file, "--connector", json.dumps(cfg)]
         self.log = open(tmp / "producer.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -69,7 +74,7 @@ class Producer:
         self.result = json.loads(line.split(" ", 1)[1])
         params = [o["kv_transfer_params"] for o in self.result["outputs"]]
         n = len(LENS)
-        self.sets = {"A": params[:n], "B": params[n:2 * n], "C": params[2 * n:]}
+        self.sets = {name: params[k * n:(k + 1) * n] for k, name in enumerate(SETS)}
 
     def held_summary(self) -> dict:
         """Stops the producer; its connector counters after every pull."""
@@ -160,8 +165,15 @@ def test_without_params_decode_computes_the_prompt(demo_model, resident):
 
 
 def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident, tmp_path):
-    """Policy fail: a handoff already pulled (set A's) errors its request; the others load."""
-    params = [producer.sets["A"][0], *producer.sets["B"][1:]]
+    """Policy fail: a handoff already pulled errors its request; the others load.  The
+    test pulls set D's first handoff itself (as a decode instance that loaded it would),
+    so the consumer finds it gone whichever tests ran before."""
+    from vllm_dhisparse.integration.handoff_transport import pull
+    params = producer.sets["D"]
+    first = params[0]
+    taken, _ = pull(first["remote_host"], first["remote_port"],
+                    first["dhisparse"]["handoff_id"], timeout_s=30)
+    assert taken.num_tokens == LENS[0]
     got = decode(demo_model, tmp_path, params)
     assert got["outputs"][0]["finish_reason"] == "error", got["outputs"][0]
     assert_pd_outputs(got, resident, requests=[1, 2])
@@ -188,6 +200,51 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     # every capture is pulled once, held or expired; C's first two were never pulled
     # (their lease, 600 s, outlives the test)
     held = producer.held_summary()["handoff"]
-    assert held["captured"] == 3 * len(LENS), held
+    assert held["captured"] == len(SETS) * len(LENS), held
     assert held["captured"] == held["sent"] + held["held"] + held["expired"], held
     assert held["held"] >= 2 and held["sent"] >= 1 and held["expired"] == 0, held
+
+
+def test_readme_two_servers(demo_model, resident, tmp_path):
+    """README's P/D block, run by bash as written (the demo model for MODEL, free ports
+    for 8100 / 8200 / 5790): its last request answers.  Then a prompt of resident
+    serving's through the same two servers, as the block's router steps do it: tokens
+    equal, logprobs after the first (module doc), and the decode server loaded the
+    prompt instead of computing it (its /metrics)."""
+    ports = {p: str(free_port()) for p in ("8100", "8200", "5790")}
+    block = readme_pd_block().replace("MODEL", demo_model)
+    for old, new in ports.items():
+        block = block.replace(old, new)
+    log = tmp_path / "readme_pd.log"
+    bin_dir = os.path.dirname(sys.executable)  # the venv's vllm-dhisparse
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # resident serving's thread count
+    shell = run_block(block, log, env, tmp_path)
+    try:
+        wait_for_block(shell, log)
+        text = log.read_text()
+        answers = completions_in(text)
+        assert shell.returncode == 0 and answers and answers[-1]["choices"][0]["text"], \
+            f"rc={shell.returncode}\n{text[-6000:]}"
+        prefill, decode_url = (f"http://127.0.0.1:{ports[p]}" for p in ("8100", "8200"))
+        from vllm_dhisparse.tools.offline_run import prompt_ids
+        req = dict(model=demo_model, prompt=prompt_ids(LENS[0], 0), temperature=0.0)
+        first = post_json(prefill + "/v1/completions", {
+            **req, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        got = post_json(decode_url + "/v1/completions", {
+            **req, "max_tokens": MAX_TOKENS[0], "logprobs": 1, "return_token_ids": True,
+            "kv_transfer_params": first["kv_transfer_params"]})["choices"][0]
+        want = resident["outputs"][0]
+        assert got["token_ids"] == want["token_ids"], (got["token_ids"], want["token_ids"])
+        lp = got["logprobs"]["token_logprobs"]
+        assert lp[1:] == pytest.approx(want["logprobs"][1:], abs=1e-6)
+        assert abs(lp[0] - want["logprobs"][0]) < 1e-3
+        with urllib.request.urlopen(decode_url + "/metrics", timeout=30) as r:
+            m = r.read().decode()
+        # two requests (README's and this one), each loaded; at most the last prompt token
+        # of each computed (computing the prompt would count LENS[0] here)
+        assert metric(m, "vllm:dhisparse_handoffs_received") == 2, m[-3000:]
+        assert metric(m, "vllm:prompt_tokens_by_source", "local_compute") <= 2
+        assert metric(m, "vllm:prompt_tokens_by_source", "external_kv_transfer") >= LENS[0] - 1
+    finally:
+        stop_group(shell.pid)
