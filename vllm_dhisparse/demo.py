@@ -48,16 +48,22 @@ def server_command(model: str, port: int, extra: dict | None, max_model_len: int
     """vLLM's OpenAI server on 127.0.0.1; ``extra`` = the connector's extra config, or
     None for resident serving (the same server without the connector)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-           "--seed", "0"]
+           "--host", "127.0.0.1", "--port", str(port)]
     if extra is not None:
         transfer = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": extra}
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    return cmd + server_args(max_model_len)
+
+
+def server_args(max_model_len: int) -> list[str]:
+    """The demo and test servers' engine arguments (the platform's, on CPU: eager, 256-token
+    blocks, a fifth of RAM for KV)."""
+    args = ["--max-model-len", str(max_model_len), "--seed", "0"]
     if _on_cpu():
-        cmd += ["--enforce-eager", "--block-size", "256", "--gpu-memory-utilization", "0.2",
-                "--max-num-seqs", "8"]
-    return cmd
+        args += ["--enforce-eager", "--block-size", "256", "--gpu-memory-utilization", "0.2",
+                 "--max-num-seqs", "8"]
+    return args
 
 
 def server_env(base: dict | None = None) -> dict:

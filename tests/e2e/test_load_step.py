@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 2 (CI smoke of benchmarks/load_step.py; the full run is committed under
+"""CI smoke of benchmarks/load_step.py (the full run is committed under
 benchmarks/results/load_step.{json,csv,png}).
 
 Offered concurrency 1 -> 3 -> 1, residency on vs off, same build, same step-based

@@ -1,14 +1,14 @@
-"""Issue 5: residency metrics in vLLM's /metrics, and the Grafana dashboard against a real Prometheus.
+"""Residency metrics in vLLM's /metrics, and the Grafana dashboard against a real Prometheus.
 
 One API server (connector on, ngram speculation so verification queries
 happen, history on host so every resolver path is taken) and one Prometheus
 scraping it every second are shared by the tests of this module.
 
-Acceptance 1: the scraped counters are consistent (direct + hot + host =
+First: the scraped counters are consistent (direct + hot + host =
 selected rows, counted independently; bytes = distinct fetched rows x row
 bytes) and equal the worker's own cumulative counters (no delta lost or
 counted twice on the way through vLLM's stats path).
-Acceptance 2: every PromQL expression of every panel in grafana/dhisparse.json,
+Second: every PromQL expression of every panel in grafana/dhisparse.json,
 template variables substituted, returns series from Prometheus; promtool
 accepts the shipped scrape config.
 """
@@ -26,7 +26,7 @@ import urllib.request
 
 import pytest
 
-from vllm_dhisparse.demo import free_port, server_command, stop_server, wait_healthy
+from vllm_dhisparse.demo import free_port, server_args, stop_server, wait_healthy
 
 from .conftest import REPO
 
@@ -67,17 +67,13 @@ def ensure_prometheus() -> tuple[str, str]:
 
 
 def start_prometheus(prom: str, target: str, workdir) -> tuple[subprocess.Popen, str]:
+    """Prometheus as a user starts it: examples/metrics.sh (config generated for ``target``)."""
     port = free_port()
-    cfg = workdir / "prometheus.yml"
-    cfg.write_text(
-        f"global:\n  scrape_interval: {SCRAPE_S}s\n  evaluation_interval: {SCRAPE_S}s\n"
-        f"scrape_configs:\n  - job_name: vllm\n    static_configs:\n"
-        f"      - targets: ['{target}']\n")
+    env = {**os.environ, "PROMETHEUS": prom, "TARGETS": target, "PROM_PORT": str(port),
+           "SCRAPE_INTERVAL": f"{SCRAPE_S}s", "DATA_DIR": str(workdir / "prometheus")}
     log = open(workdir / "prometheus.log", "w")
-    proc = subprocess.Popen(
-        [prom, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "examples", "metrics.sh")], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -133,9 +129,13 @@ def served(demo_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("metrics")
     stats = tmp / "stats.json"
     port = free_port()
-    cmd = server_command(demo_model, port, {**HIER, "stats_file": str(stats)}, 8192)
-    cmd += ["--speculative-config", json.dumps(SPEC)]
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0"}  # ngram needs the V1 runner on CPU
+    # started as a user starts it: examples/serve.sh (vllm-dhisparse serve + the connector)
+    cmd = ["bash", os.path.join(REPO, "examples", "serve.sh"), *server_args(8192),
+           "--speculative-config", json.dumps(SPEC)]
+    env = {**os.environ, "MODEL": demo_model, "PORT": str(port),
+           "KV_EXTRA": json.dumps({**HIER, "stats_file": str(stats)}),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "VLLM_USE_V2_MODEL_RUNNER": "0"}  # ngram needs the V1 runner on CPU
     log = open(tmp / "server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                               start_new_session=True)
@@ -188,7 +188,7 @@ def served(demo_model, tmp_path_factory):
         stop_server(server)
 
 
-# -- acceptance 1 ---------------------------------------------------------------------------
+# -- counters ---------------------------------------------------------------------------
 def test_scraped_counters_are_consistent(served):
     m = parse_metrics(served["metrics"])
     c = {k[len("vllm:dhisparse_"):-len("_total")]: v for k, v in m.items() if k.endswith("_total")}
@@ -221,7 +221,7 @@ def test_scraped_counters_are_consistent(served):
         (c, t)
 
 
-# -- acceptance 2 ---------------------------------------------------------------------------
+# -- dashboard ---------------------------------------------------------------------------
 def dashboard_queries(path: str = DASHBOARD) -> list[tuple[str, str]]:
     """``(panel title / refId, expr)`` of every target of every panel (rows included)."""
     with open(path) as f:

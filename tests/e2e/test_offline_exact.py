@@ -1,4 +1,4 @@
-"""Issue 3, acceptance 1 and 3: the connector serves exactly what resident serving serves.
+"""The connector serves exactly what resident serving serves.
 
 One run per arm with four concurrent requests of ~600, ~1500, ~3000 and ~7000
 tokens finishing at different times; the hot cache (B = k = 512) and

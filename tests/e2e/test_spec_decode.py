@@ -1,4 +1,4 @@
-"""Issue 3, acceptance 4: verification queries (ngram speculation, 3 tokens) through the hierarchy.
+"""Verification queries (ngram speculation, 3 tokens) through the hierarchy.
 
 Outputs must equal resident serving *without* speculation (greedy), and the
 counters must show multi-query resolutions where rows selected by several

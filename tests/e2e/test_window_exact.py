@@ -1,4 +1,4 @@
-"""Issue 4: with the device window on, vLLM frees c4a blocks and outputs stay bit-exact.
+"""With the device window on, vLLM frees c4a blocks and outputs stay bit-exact.
 
 Three 2600-token requests (650 compressed rows each, more than top-k = 512)
 in one generous KV pool, so both arms run the same batches (prefills of later

@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 3 (core): a failed host backup affects only the request that owns it."""
+"""The core: a failed host backup affects only the request that owns it."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Issue 5, acceptance 3 (no vLLM run): dashboard names and the code's metrics agree.
+"""No vLLM run: dashboard names and the code's metrics agree.
 
 * every ``vllm:dhisparse_*`` sample name the dashboard queries is one the code exposes;
 * every metric the code defines is queried by a panel, or listed in

@@ -184,7 +184,7 @@ def test_admission_is_all_or_nothing_across_sources():
 
 
 def test_backup_failure_during_reclaim_fails_only_the_victim():
-    """Issue 4: the victim whose deferred backup fails is released and reported
+    """The victim whose deferred backup fails is released and reported
     (``take_failures``); the admission that needed its pages proceeds."""
     h, truth = pressured("largest_first")
     h.sources["s"].host.fail_next_backup_of.add("r0")

@@ -1,4 +1,4 @@
-"""Failing one request from the worker half (issue 4, acceptance 3).
+"""Failing one request from the worker half.
 
 vLLM 0.32 has no connector API to fail a *running* request: ``failed_recving``
 only acts on requests in ``WAITING_FOR_REMOTE_KVS``, and ``invalid_block_ids``
