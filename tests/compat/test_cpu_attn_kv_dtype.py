@@ -49,7 +49,11 @@ def test_kernel_stays_in_block_with_bf16_auto():
     assert _written_blocks(torch.bfloat16, "auto") == {1}
 
 
-def test_attention_layer_on_cpu_attn_gets_auto_dtype():
+PREFIX = "model.layers.3.self_attn.attn"
+
+
+def _drafter_layer():
+    """A CPU_ATTN layer built under DeepSeek-V4's global cache dtype, and its config."""
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.attention.attention import Attention
 
@@ -65,10 +69,31 @@ def test_attention_layer_on_cpu_attn_gets_auto_dtype():
         torch.set_default_dtype(torch.bfloat16)
         try:
             layer = Attention(4, D, D**-0.5, num_kv_heads=H, cache_config=cache_config,
-                              prefix="model.layers.3.self_attn.attn",
-                              attn_backend=cpu_attn.CPUAttentionBackend)
+                              prefix=PREFIX, attn_backend=cpu_attn.CPUAttentionBackend)
         finally:
             torch.set_default_dtype(torch.float32)
+    return layer, vllm_config
+
+
+def test_attention_layer_on_cpu_attn_gets_auto_dtype():
+    layer, _ = _drafter_layer()
     assert layer.kv_cache_dtype == "auto"
     assert layer.kv_cache_torch_dtype == torch.bfloat16
     assert layer.impl.kv_cache_dtype == "auto" and not layer.impl.is_fp8_kv_cache
+
+
+def test_metadata_builder_picks_the_kernel_for_the_model_dtype():
+    """The builder reads the global cache dtype too, and chooses the kernel ISA of every
+    layer it serves from it: with "fp8_ds_mla" it would pick one for another element
+    size than the layer's bf16 pages."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    layer, vllm_config = _drafter_layer()
+    spec = FullAttentionSpec(block_size=256, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    with set_current_vllm_config(vllm_config):
+        builder = cpu_attn.CPUAttentionMetadataBuilder(spec, [PREFIX], vllm_config,
+                                                       torch.device("cpu"))
+    assert builder.kv_cache_dtype == "auto"
+    assert builder.isa == cpu_attn._get_attn_isa(torch.bfloat16, 256, D, "auto")
+    assert layer.isa == builder.isa
