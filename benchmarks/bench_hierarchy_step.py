@@ -171,7 +171,10 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
     t1 = time.perf_counter()
     err = None
     if graph is not None:  # this step's selections into the captured inputs, one replay
-        g, inputs, outputs, stacked = graph
+        g, inputs, outputs, stacked, slots = graph
+        for s, captured in slots.items():  # a slot opened or closed would free them
+            if h.source(s).state.slots(ids) is not captured:
+                raise RuntimeError(f"{s}: the batch's slot tensor changed since capture")
         inputs.copy_(stacked[step_no % stacked.shape[0]])
         g.replay()
         if verify:
@@ -201,8 +204,11 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
 def capture_resolves(h, cfg, ids, plans):
     """Every resolve call of a step captured in one CUDA graph, as vLLM captures a decode
     step: the launches' host work is paid once, at capture.  Returns ``(graph, inputs
-    [L, n, 1, k] int32, outputs [L] locations, stacked [T, L, n, 1, k] int32)``: before a
-    replay the step's selections are copied into ``inputs``."""
+    [L, n, 1, k] int32, outputs [L] locations, stacked [T, L, n, 1, k] int32, the
+    slot tensors it reads)``: before a replay the step's selections are copied into
+    ``inputs``.  Replays update the device counters (captured) but not ``Resolver``'s
+    Python call count; the replay's GPU time lands in the ``step()`` part, where the
+    step synchronises."""
     keys = list(plans)
     stacked = torch.stack([torch.stack([plans[key][3][j] for key in keys])
                            for j in range(len(plans[keys[0]][3]))])
@@ -218,13 +224,16 @@ def capture_resolves(h, cfg, ids, plans):
     # synchronisation still fails the capture, and warm-up replays are checked
     with torch.cuda.graph(g, capture_error_mode="relaxed"):
         outputs = [h.resolve(s, ids, inputs[i], validate=False)[0] for i, (s, _) in enumerate(keys)]
-    return g, inputs, outputs, stacked
+    slots = {s: h.source(s).state.slots(ids) for s, _ in keys}  # what the graph reads
+    return g, inputs, outputs, stacked, slots
 
 
-def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times, graph) -> str:
+def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph) -> str:
     """torch.profiler over a few more steps (after the timed ones, not counted in them):
     where the GPU time of a step goes, and how much of the step the GPU is busy."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    times = {"append": [], "resolve": [], "step": []}
     steps = 4
     first = cfg["check_steps"] + cfg["warmup"] + cfg["steps"]
     torch.cuda.synchronize()
@@ -234,7 +243,8 @@ def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times, graph) -> str:
                         graph=graph)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
+    busy = sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type != DeviceType.CPU) / steps / 1e3
     return f"{steps} steps, GPU busy {busy:.3f} ms per step\n{table}"
 
 
@@ -254,11 +264,15 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
                  for j in range(cfg["steps"] + cfg["warmup"])]
         plans[key] = (*plan[:3], calls)
     graph = capture_resolves(h, cfg, ids, plans) if cfg.get("graph") else None
-    before = {s: h.source(s).resolver.totals() for s in SOURCES}
+    before = None
     wall, gpu, syncs = [], [], []
     times = {"append": [], "resolve": [], "step": []}
     for step in range(cfg["warmup"] + cfg["steps"]):
         no = cfg["check_steps"] + step
+        if step == cfg["warmup"]:  # fetched bytes and fractions of the timed steps only
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            before = {s: h.source(s).resolver.totals() for s in SOURCES}
         if dev.type == "cuda":
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -279,9 +293,9 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             e1.record()
             torch.cuda.synchronize()
             gpu.append(e0.elapsed_time(e1) / 1e3)
-    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, times, graph) \
-        if cfg.get("profile") and dev.type == "cuda" else None
     after = {s: h.source(s).resolver.totals() for s in SOURCES}
+    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph) \
+        if cfg.get("profile") and dev.type == "cuda" else None
     moved = {f: sum(getattr(after[s], f) - getattr(before[s], f) for s in SOURCES)
              for f in ("direct", "hot", "host", "fetched", "bytes_fetched")}
     sel_total = max(1, moved["direct"] + moved["hot"] + moved["host"])

@@ -186,7 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=M.K500, help="context per session")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
-    dev = C.device()
+    # the smoke shapes' exact counts hold for the byte ledger, not for CUDA's allocator
+    dev = torch.device("cpu") if args.smoke else C.device()
     tokens = SMOKE_TOKENS if args.smoke else args.tokens
     budget_bytes = int((0.05 if args.smoke else args.budget_gib) * GIB)
     ds, sources = shape_of(args.smoke)
@@ -194,8 +195,8 @@ def main(argv=None) -> int:
     saved = HS.host_buffer, HH.check_host_memory
     HS.host_buffer = lambda nbytes, pin: torch.empty(nbytes, dtype=torch.uint8)
     HH.check_host_memory = lambda *a, **k: None
-    budget = Budget(dev, budget_bytes)
     try:
+        budget = Budget(dev, budget_bytes)
         return _measure(args, dev, tokens, budget, ds, sources)
     finally:
         HS.host_buffer, HH.check_host_memory = saved
@@ -223,6 +224,8 @@ def _measure(args, dev, tokens: int, budget: Budget, ds, sources) -> int:
         best = try_hierarchy(budget, ds, sources, tokens, page, lo, check=True)
         assert best, "the count that fitted during the bisection no longer fits"
     n_hier = lo
+    if hi == limit and lo == limit - 1:
+        print(f"  the hierarchy fitted every count tried, up to {lo}: raise the search limit")
     out = dict(
         meta=meta, tokens=tokens, budget_bytes=budget_bytes, sources=sources,
         resident_sessions=n_res, hierarchy_sessions=n_hier,

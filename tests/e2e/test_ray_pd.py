@@ -73,6 +73,7 @@ def read_stats(pattern: str) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def pd_app(demo_model, resident, tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)  # before Ray starts: its nodes and workers inherit it
     import ray
     from ray import serve
@@ -114,9 +115,18 @@ def pd_app(demo_model, resident, tmp_path_factory):
                    prefill=lambda: read_stats(prefill_stats),
                    stats=lambda: list(read_stats(decode_stats).values()))
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            try:
+                ray.shutdown()
+            finally:
+                cluster.shutdown()
+                for k, v in saved.items():  # later modules run with their own threads
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
 
 def body(i: int, max_tokens: int = MAX_TOKENS, n: int | None = None) -> dict:
@@ -214,8 +224,8 @@ def test_decode_replica_killed_mid_stream(pd_app, resident):
     other replica finishes with resident serving's tokens, new requests are served, and
     the handoff orphaned on the producer is freed when its lease runs out."""
     ray, url = pd_app["ray"], pd_app["url"]
-    t_orphan = time.time()
     orphan = orphan_handoff(pd_app)
+    t_orphan = time.time()  # the lease started at capture, before this
     [(prefill_pid, p)] = pd_app["prefill"]().items()
     assert p["handoff"]["held"] >= 1, p["handoff"]
 
