@@ -10,7 +10,7 @@ K = 3) -- builds the pools exactly as the worker does (``pool_sizing.plan_source
 then ``KVHierarchy``) and sums the bytes of the device tensors the hierarchy
 allocated.  Each tree runs in its own process (``--before-tree`` is put first on
 the import path there).  Memory is counted, not timed: the numbers do not depend
-on the machine.
+on the machine.  Results: ``results/staging_memory.json``.
 """
 from __future__ import annotations
 
@@ -86,7 +86,11 @@ def main(argv=None) -> int:
             line += (f", {b['device_bytes']:,} B with per-request staging: "
                      f"{b['device_bytes'] - a['device_bytes']:,} B less")
         print(line)
-    print(json.dumps(dict(before=before if args.before_tree else None, after=after)))
+    result = dict(before=before if args.before_tree else None, after=after)
+    print(json.dumps(result))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common as C
+    C.write_json("staging_memory", dict(meta=C.metadata(), **result))
     return 0
 
 
