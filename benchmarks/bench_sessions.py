@@ -137,7 +137,7 @@ def try_hierarchy(budget: Budget, ds, sources, tokens: int, page: int, sessions:
     h = held = None
     try:
         h = HH.KVHierarchy(hierarchy_specs(sources, tokens, page, sessions), device=budget.dev)
-        budget.charge(_device_bytes(h))
+        budget.charge(_metadata_bytes(h) + h.device_bytes)
         always = ds.always_resident_bytes(tokens) + ds.index_bytes(tokens)
         held = []
         for i in range(sessions):
@@ -170,13 +170,6 @@ def _state_tensors(h):
 
 def _metadata_bytes(h) -> int:
     return sum(t.nbytes for t in _state_tensors(h))
-
-
-def _device_bytes(h) -> int:
-    """State tables plus every device row storage once (sources of one row layout share
-    one storage)."""
-    storages = {p.pool.storage.data_ptr(): p.pool.storage.nbytes for p in h.sources.values()}
-    return _metadata_bytes(h) + sum(storages.values())
 
 
 def main(argv=None) -> int:
