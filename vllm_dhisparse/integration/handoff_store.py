@@ -91,10 +91,14 @@ class HandoffStore:
             self.counters.expired += len(old)
         return old
 
+    # Read under the lock so that a reader on another thread (the server's lease
+    # sweep) never sees a handoff gone before the counter that says why.
     @property
     def held(self) -> int:
-        return len(self._held)
+        with self._lock:
+            return len(self._held)
 
     @property
     def bytes_held(self) -> int:
-        return self._bytes
+        with self._lock:
+            return self._bytes
