@@ -34,7 +34,6 @@ from .conftest import run_offline
 
 pytestmark = pytest.mark.e2e
 
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 N = 6
 KV_BYTES = 285_000_000
 ARGS = ["--prompt-lens", *["7000"] * N, "--max-tokens", "8", "--max-model-len", "7100",
@@ -42,9 +41,8 @@ ARGS = ["--prompt-lens", *["7000"] * N, "--max-tokens", "8", "--max-model-len", 
 
 
 def test_more_sessions_same_memory(demo_model):
-    resident = run_offline(demo_model, *ARGS, env=INPROC)
-    got = run_offline(demo_model, *ARGS, "--connector", json.dumps({"hot_cache_rows": 512}),
-                      env=INPROC)
+    resident = run_offline(demo_model, *ARGS)
+    got = run_offline(demo_model, *ARGS, "--connector", json.dumps({"hot_cache_rows": 512}))
     t = got["stats"]["totals"]
     record = dict(kv_cache_bytes=KV_BYTES, prompt_len=7000, requests=N,
                   resident=dict(max_running=resident["max_running"], running=resident["running"],

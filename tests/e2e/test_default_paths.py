@@ -28,7 +28,6 @@ from .conftest import assert_same_outputs, run_offline
 
 pytestmark = pytest.mark.e2e
 
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # --preempt drives the scheduler in-process
 HIER = {"hot_cache_rows": 512, "optional_residency": False}
 PREFIX = ["--prompt-lens", "3000", "3000", "2900", "2950", "--max-tokens", "6",
           "--prefix-caching", "--chunk-tokens", "1024", "--shared-prefix", "1:0:3000", "3:2:2850",
@@ -38,8 +37,8 @@ PREEMPT = ["--prompt-lens", "2600", "2600", "2600", "--max-tokens", "10", "--chu
 
 
 def both_arms(model: str, args: list[str], **extra) -> tuple[dict, dict]:
-    resident = run_offline(model, *args, env=INPROC)
-    got = run_offline(model, *args, "--connector", json.dumps({**HIER, **extra}), env=INPROC)
+    resident = run_offline(model, *args)
+    got = run_offline(model, *args, "--connector", json.dumps({**HIER, **extra}))
     return resident, got
 
 

@@ -15,19 +15,17 @@ import json
 
 import pytest
 
-from .conftest import run_offline
+from .conftest import SIX_2600, run_offline
 
 pytestmark = pytest.mark.e2e
 
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-ARGS = ["--prompt-lens", *["2600"] * 6, "--max-tokens", "8", "--max-model-len", "4096"]
 FAILED = {1: "backup", 2: "admit", 3: "append", 4: "resolve"}
 
 
-def test_one_failing_request_among_several(demo_model):
-    resident = run_offline(demo_model, *ARGS, env=INPROC)
-    got = run_offline(demo_model, *ARGS, "--connector", json.dumps({"eager_backup": True}),
-                      env={**INPROC, "DHISPARSE_TEST_FAIL_BACKUP_OF": "r1",
+def test_one_failing_request_among_several(demo_model, resident_run):
+    resident = resident_run(*SIX_2600)
+    got = run_offline(demo_model, *SIX_2600, "--connector", json.dumps({"eager_backup": True}),
+                      env={"DHISPARSE_TEST_FAIL_BACKUP_OF": "r1",
                            "DHISPARSE_TEST_FAIL": "admit:r2,append:r3,resolve:r4"})
     for i, where in FAILED.items():
         assert got["outputs"][i]["finish_reason"] == "error", (where, got["outputs"][i])

