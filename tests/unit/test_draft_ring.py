@@ -147,3 +147,43 @@ def test_tokens_a_connector_supplies_are_counted_as_vllm_counts_them():
     args = ("r", 644, [], 513, 0, 644)
     assert mgr.get_num_blocks_to_allocate(*args) == plain.get_num_blocks_to_allocate(*args) == 2
     assert mgr.get_num_blocks_to_allocate("r", 644, [], 0, 0, 644) == 1  # no connector: the ring
+
+
+def test_with_prefix_caching_prefill_blocks_are_kept_as_vllms_window_keeps_them():
+    """bounds_prefill False (prefix caching on): a one-step 7000-token prefill takes its
+    28 blocks, as vLLM's sliding window does, so they can be hashed and outlive the step
+    in the prefix cache; the admission cap is the window's; decode frees back to R_d / p."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    ring_spec = DraftRingSpec(block_size=256, num_kv_heads=2, head_size=64,
+                              dtype=torch.bfloat16, sliding_window=128, k_max=4,
+                              bounds_prefill=False)
+    window = attn(SlidingWindowSpec, sliding_window=128)
+    assert ring_spec.max_admission_blocks_per_request(8192, 32768) == \
+        window.max_admission_blocks_per_request(8192, 32768)
+    held = {}
+    for name, spec, cls in (("ring", ring_spec, DraftRingManager),
+                            ("window", window, SlidingWindowManager)):
+        pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=256)
+        mgr = cls(spec, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+                  scheduler_block_size=256)
+        steps, computed = [], 0
+        for step in (7000, 1, 1, 1):
+            mgr.remove_skipped_blocks("r", computed)
+            n = mgr.get_num_blocks_to_allocate("r", computed + step, [], computed, computed,
+                                               computed + step)
+            new = mgr.allocate_new_blocks("r", computed + step, computed + step)
+            steps.append((n, len(new), sum(not b.is_null for b in mgr.req_to_blocks["r"])))
+            computed += step
+        held[name] = steps
+    assert held["ring"] == held["window"]
+    assert held["ring"][0] == (28, 28, 28)
+    assert held["ring"][-1][2] <= draft_ring_rows(128, 256, 4) // 256
+
+
+def test_draft_layers_that_disagree_on_the_prefill_bound_are_not_merged():
+    a = DraftRingSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                      sliding_window=128, k_max=4)
+    assert DraftRingSpec.merge([a, a]).bounds_prefill
+    with pytest.raises(AssertionError, match="bounds_prefill"):
+        DraftRingSpec.merge([a, DraftRingSpec(**{**a.__dict__, "bounds_prefill": False})])

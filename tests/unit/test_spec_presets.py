@@ -18,7 +18,8 @@ def drafter(tmp_path, arch, **cfg):
     return str(d)
 
 
-def engine(method=None, arch=None, k=3, v2=True, load_format="auto", hf=None, block=256):
+def engine(method=None, arch=None, k=3, v2=True, load_format="auto", hf=None, block=256,
+           prefix_caching=False):
     spec = None
     if method:
         draft = SimpleNamespace(architectures=[arch],
@@ -26,7 +27,8 @@ def engine(method=None, arch=None, k=3, v2=True, load_format="auto", hf=None, bl
         spec = SimpleNamespace(method=method, num_speculative_tokens=k, draft_model_config=draft)
     return SimpleNamespace(speculative_config=spec, use_v2_model_runner=v2,
                            load_config=SimpleNamespace(load_format=load_format),
-                           cache_config=SimpleNamespace(block_size=block))
+                           cache_config=SimpleNamespace(block_size=block,
+                                                        enable_prefix_caching=prefix_caching))
 
 
 def test_presets_map_to_vllms_methods(tmp_path):
@@ -56,6 +58,10 @@ def test_engine_sizes_with_a_windowed_drafter():
     ring = ring_sizes(sizes, 256)
     assert ring["draft_ring_rows"] == draft_ring_rows(128, 256, 4) == 512  # eq. 9
     assert ring["draft_ring_blocks"] == 2
+    assert sizes["draft_ring_bounds_prefill"]
+    # prefix caching needs the prefill's draft blocks (integration/draft_ring.py)
+    cached = check_engine(engine("dflash", "DFlash2DraftModel", hf=hf, prefix_caching=True), "")
+    assert not cached["draft_ring_bounds_prefill"]
     assert check_engine(engine(), "") is None  # no speculation, nothing to size
     assert check_engine(engine("ngram", None), "") is None  # other methods pass through
 

@@ -23,9 +23,16 @@ window does.  The connector refuses a drafter without a window of its own
 Admission counts the ring too: the spec's per-request cap (vLLM's startup sizer and
 its admission gate) is R_d / p, and the manager's count of blocks an allocation needs
 is the real blocks the ring will take, so a long prompt is admitted on its ring, not
-on every prompt block.  Not yet: the null prefix blocks are never hashed, so with
-prefix caching the drafter's group finds no hit behind the ring (vLLM then takes the
-smallest hit over the groups).
+on every prompt block.
+
+With prefix caching the prefill bound is off (``DraftRingSpec.bounds_prefill``): a
+later request's hit at h tokens needs the drafter's KV of the W tokens before h, and
+that KV exists only if the earlier request's prefill wrote it into blocks that outlive
+the step, freed behind the window into the prefix cache as vLLM's sliding window does.
+A ring of null blocks behind its window finds no hit, and vLLM takes the smallest hit
+over the groups: every group of a speculating request would recompute its whole prompt.
+So prefill steps then hold what they write (at most the step's token budget / p blocks
+on top of the ring), hits equal resident serving's, and decode holds R_d / p as before.
 """
 from __future__ import annotations
 
@@ -44,20 +51,27 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 @dataclass(frozen=True, kw_only=True)
 class DraftRingSpec(SlidingWindowSpec):
-    """A drafter layer's KV: sliding window W, bounded in prefill as well."""
+    """A drafter layer's KV: sliding window W, bounded in prefill as well unless prefix
+    caching needs the prefill's blocks."""
     k_max: int = 1  # verification queries per request: drafts read K_max - 1 slots ahead
+    bounds_prefill: bool = True  # False with prefix caching
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:
         k_max = {s.k_max for s in specs}
+        bounds = {s.bounds_prefill for s in specs}
         assert len(k_max) == 1, f"draft layers disagree on k_max: {k_max}"
+        assert len(bounds) == 1, f"draft layers disagree on bounds_prefill: {bounds}"
         merged = SlidingWindowSpec.merge.__func__(cls, specs)
-        return replace(merged, k_max=k_max.pop())
+        return replace(merged, k_max=k_max.pop(), bounds_prefill=bounds.pop())
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
         """R_d / p whatever the chunk: the ring frees behind itself before it allocates
-        (vLLM's window holds the in-flight tokens on top)."""
+        (vLLM's window holds the in-flight tokens on top, as the ring does when it keeps
+        prefill blocks for the prefix cache)."""
+        if not self.bounds_prefill:
+            return super().max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
         rows = draft_ring_rows(self.sliding_window, self.block_size, self.k_max)
         return min(rows // self.block_size, cdiv(max_model_len, self.block_size))
 
@@ -66,8 +80,9 @@ class DraftRingManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         specs = getattr(kv_cache_spec, "kv_cache_specs", None)  # a uniform-type wrapper
-        self.k_max = max((s.k_max for s in specs.values()), default=1) if specs \
-            else kv_cache_spec.k_max
+        specs = list(specs.values()) if specs else [kv_cache_spec]
+        self.k_max = max(s.k_max for s in specs)
+        self.bounds_prefill = all(s.bounds_prefill for s in specs)
 
     def ring_start_blocks(self, num_tokens: int) -> int:
         """Leading blocks no draft query reads once ``num_tokens`` slots exist."""
@@ -86,6 +101,8 @@ class DraftRingManager(SlidingWindowManager):
         vllm_count = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, total_computed_tokens,
             num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end)
+        if not self.bounds_prefill:
+            return vllm_count
         new = request_id not in self.num_cached_block
         if new and total_computed_tokens > num_local_computed_tokens:
             return vllm_count
@@ -98,6 +115,8 @@ class DraftRingManager(SlidingWindowManager):
         return min(vllm_count, ring)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        if not self.bounds_prefill:
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         blocks = self.req_to_blocks[request_id]
         start = self.ring_start_blocks(num_tokens)
         # blocks of earlier chunks behind this step's ring are freed now, not one step
@@ -129,7 +148,8 @@ def register_spec() -> None:
                                  uniform_type_base_spec=DraftRingSpec)
 
 
-def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int) -> dict:
+def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int,
+               bounds_prefill: bool = True) -> dict:
     """``specs`` with every draft layer's spec turned into a :class:`DraftRingSpec` of the
     same window: the window the layer attends with (its own spec's) must be ``window``,
     the W that sizes R_d."""
@@ -146,7 +166,7 @@ def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int) ->
                              f"but the drafter's config says {window}; the draft ring needs the "
                              f"window the layer uses")
         keep = {f.name: getattr(spec, f.name) for f in fields(spec)}
-        out[name] = DraftRingSpec(**keep, k_max=k_max)
+        out[name] = DraftRingSpec(**keep, k_max=k_max, bounds_prefill=bounds_prefill)
     return out
 
 
@@ -175,9 +195,12 @@ def _ring_spec(original):
             raise ValueError(f"the {sizes['preset']} drafter {type(model).__name__} does not name "
                              f"its KV layers (get_draft_kv_cache_layer_names); the draft ring "
                              f"cannot bound it")
-        out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"])  # checks W
-        logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d",
-                    len(names()), sizes["draft_window"], sizes["k_max"])
+        out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"],
+                         sizes["draft_ring_bounds_prefill"])  # checks W
+        logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d, %s",
+                    len(names()), sizes["draft_window"], sizes["k_max"],
+                    "bounded in prefill" if sizes["draft_ring_bounds_prefill"] else
+                    "prefill blocks kept for the prefix cache")
         return out
     return get_kv_cache_spec
 

@@ -132,7 +132,10 @@ def check_engine(vllm_config: "VllmConfig", spec: str) -> dict[str, Any] | None:
                          f"swa_window_size); the draft ring bounds a drafter's KV by its window "
                          f"W, and a drafter must not inherit the target's "
                          f"(scripts/build_demo_drafters.py --window)")
-    return dict(preset=name, num_speculative_tokens=k, k_max=1 + k, draft_window=window)
+    # with prefix caching the ring keeps what a prefill step writes (draft_ring.py)
+    bounds_prefill = not vllm_config.cache_config.enable_prefix_caching
+    return dict(preset=name, num_speculative_tokens=k, k_max=1 + k, draft_window=window,
+                draft_ring_bounds_prefill=bounds_prefill)
 
 
 def ring_sizes(sizes: dict[str, Any], block_size: int) -> dict[str, Any]:
