@@ -144,9 +144,14 @@ def test_a_retried_request_does_not_overwrite_another_requests_rows():
         loc, _ = h.resolve("a", ["r0", "r1"], SEL, arena=lease)
         again = torch.tensor([[[12, 13, 14, 15], [16, 17, 18, 19], [0, 1, 2, 3]]],
                              dtype=torch.int32)
-        loc1, _ = h.resolve("a", ["r1"], again, staging_rows=lease.overflow_rows([1], 8))
+        loc1, _ = h.resolve("a", ["r1"], again, arena=lease, arena_rows=[1])
         verify_rows(h, "a", truth, ["r0"], SEL[:1], loc[:1])
         verify_rows(h, "a", truth, ["r1"], again, loc1)
+        overflow = (loc1 >= lease.overflow_rows([1], 8).min()) & \
+            (loc1 <= lease.overflow_rows([1], 8).max())
+        assert bool(overflow.any())  # r1's misses beyond B went to batch row 1's rows
+        with pytest.raises(ValueError, match="names 2 batch rows for 1 requests"):
+            h.resolve("a", ["r1"], again, arena=lease, arena_rows=[0, 1])
         r0_rows = set(lease.overflow_rows([0], 8).flatten().tolist()) \
             | set(lease.fresh_rows(0, 2).tolist())
         r1_rows = set(lease.overflow_rows([1], 8).flatten().tolist()) \

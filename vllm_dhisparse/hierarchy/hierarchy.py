@@ -238,12 +238,13 @@ class KVHierarchy:
 
     def resolve(self, source: str, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True,
-                arena: ArenaLease | None = None):
+                arena: ArenaLease | None = None, arena_rows: list[int] | None = None):
         """``(locations [N, K, k] int32, counters [N, 6] int32)``; see ``Resolver.resolve``.
 
         When K*k exceeds B, overflow misses go to ``staging_rows`` or, with ``arena``
         (held from ``staging_arena(source)`` until the locations are read), to the
-        arena's rows of batch rows 0..N-1.
+        arena's rows of batch rows ``arena_rows`` (default 0..N-1: the i-th request gets
+        batch row arena_rows[i]).
         """
         parts = self.source(source)
         if validate:
@@ -255,7 +256,10 @@ class KVHierarchy:
                 raise ValueError(f"staging arena held by source {arena.source!r} passed to a "
                                  f"resolve of source {source!r}")
             n, n_queries, top_k = selections.shape
-            staging_rows = arena.overflow_rows(list(range(n)),
+            rows = list(range(n)) if arena_rows is None else list(arena_rows)
+            if len(rows) != n:
+                raise ValueError(f"arena_rows names {len(rows)} batch rows for {n} requests")
+            staging_rows = arena.overflow_rows(rows,
                                                parts.resolver.staging_columns(n_queries, top_k))
         return parts.resolver.resolve(req_ids, selections, staging_rows, validate=False)
 

@@ -406,12 +406,11 @@ class WorkerSide:
         committed_sel = torch.where(fresh, -1, sel)
         ok = [i for i, r in enumerate(reqs) if not r.failed]
         resolved = list(ok)  # the resolver counted these requests' selections
-        need = parts.resolver.staging_columns(kq, top_k)  # K*k - B overflow columns
         if ok:
             t0 = time.perf_counter()
             try:
                 got, _ = h.resolve(layer.name, [req_ids[i] for i in ok], committed_sel[ok],
-                                   staging_rows=arena.overflow_rows(ok, need))
+                                   arena=arena, arena_rows=ok)
                 locs[ok] = got.to(torch.int64)
             except Exception:  # noqa: BLE001 -- find whose: one request at a time, isolated
                 logger.exception("DHiSparse: a batched resolve failed; resolving its %d requests "
@@ -420,7 +419,7 @@ class WorkerSide:
                 for i in ok:
                     with self._isolated(reqs[i]):
                         got, _ = h.resolve(layer.name, [req_ids[i]], committed_sel[i:i + 1],
-                                           staging_rows=arena.overflow_rows([i], need))
+                                           arena=arena, arena_rows=[i])
                         locs[i] = got[0].to(torch.int64)
                         resolved.append(i)
             if self.time_resolve:
