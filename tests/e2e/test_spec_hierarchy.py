@@ -1,6 +1,7 @@
 """DSpark and DFlash2 (vLLM's Model Runner V2 speculators) over the hierarchy.
 
-Arms, one engine each, four concurrent requests of 600-7000 tokens: resident serving
+Arms, one engine each, four requests of 600-7000 tokens (three from the first step, the
+fourth from step 4, sharing a prefix with the third): resident serving
 without speculation (the oracle for tokens), resident + DSpark, hierarchy + DSpark,
 hierarchy + DFlash2, and hierarchy + DSpark with one resolved location corrupted (the
 control: the comparison must be able to fail).  The DSpark arms run with vLLM's
