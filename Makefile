@@ -14,7 +14,7 @@ $(STAMP): setup.py scripts/setup_env.sh
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 demo: $(STAMP)
 	$(PY) -m vllm_dhisparse.demo $(DEMO_ARGS)
