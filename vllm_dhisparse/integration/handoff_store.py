@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -91,8 +91,13 @@ class HandoffStore:
             self.counters.expired += len(old)
         return old
 
-    # Read under the lock so that a reader on another thread (the server's lease
-    # sweep) never sees a handoff gone before the counter that says why.
+    def snapshot(self) -> tuple[StoreCounters, int]:
+        """(a copy of the counters, handoffs held), read together: the side channel's
+        thread frees expired and pulled handoffs and counts them in one locked section,
+        so a reader on another thread never sees a handoff gone without its count."""
+        with self._lock:
+            return replace(self.counters), len(self._held)
+
     @property
     def held(self) -> int:
         with self._lock:

@@ -296,11 +296,11 @@ class HandoffWorker:
             self.producer.server.close()
 
     def summary(self) -> dict:
-        c = self.counters
+        c, held = self.counters, 0
         if self.producer is not None:
-            s = self.producer.store.counters
+            s, held = self.producer.store.snapshot()
             c.captured, c.sent, c.expired = s.captured, s.pulled, s.expired
             c.refused, c.bytes_sent = s.refused, s.bytes_sent
         out = {k: v for k, v in c.__dict__.items() if k != "seconds"}
-        out["held"] = self.producer.store.held if self.producer is not None else 0
+        out["held"] = held
         return out
