@@ -5,9 +5,11 @@ fourth from step 4, sharing a prefix with the third): resident serving
 without speculation (the oracle for tokens), resident + DSpark, hierarchy + DSpark,
 hierarchy + DFlash2, and hierarchy + DSpark with one resolved location corrupted (the
 control: the comparison must be able to fail).  The DSpark arms run with vLLM's
-defaults, prefix caching and chunked prefill (2048-token chunks: the draft ring's chunk
-path), forced on where this CPU turns them off; the DFlash2 arm prefills each prompt
-in one step (the 7000-token prefill the ring must also bound).  The DSpark drafter is
+defaults, prefix caching and chunked prefill (2048-token chunks), forced on where this
+CPU turns them off: the draft ring keeps prefill blocks for the prefix cache there.  The
+DFlash2 arm runs chunked prefill without prefix caching: the ring's own chunk path, which
+frees earlier chunks behind the window and hands null blocks to the worker's block table
+(a one-step prefill: tests/unit/test_draft_ring.py).  The DSpark drafter is
 the demo oracle built from the resident arm's own continuations
 (scripts/build_demo_drafters.py), so its drafts are accepted; the DFlash2 drafter is
 seeded noise with a 128-token window.  Speculative and plain runs are compared on
@@ -68,7 +70,8 @@ def arms(demo_model, tmp_path_factory):
     out["resident_dspark"] = run_offline(demo_model, *ARGS, *CHUNKED, "--spec", dspark, env=MRV2)
     out["hier_dspark"] = run_offline(demo_model, *ARGS, *CHUNKED, "--spec", dspark,
                                      "--connector", hier("dspark"), env=MRV2)
-    out["hier_dflash2"] = run_offline(demo_model, *ARGS, "--spec", dflash2,
+    out["hier_dflash2"] = run_offline(demo_model, *ARGS, "--chunk-tokens", "2048",
+                                      "--spec", dflash2,
                                       "--connector", hier("dflash2"), env=MRV2)
     out["corrupted"] = run_offline(demo_model, *ARGS, *CHUNKED, "--spec", dspark,
                                    "--connector", hier("dspark"),
@@ -111,8 +114,9 @@ def test_verification_shares_host_retrievals(arms, arm):
 @pytest.mark.parametrize("arm,preset", [("hier_dspark", "dspark"), ("hier_dflash2", "dflash2")])
 def test_draft_ring_bounds_every_decode_step_and_prefill_without_prefix_caching(arms, arm, preset):
     """Every request holds at most R_d / p draft blocks at every decode step (eq. 9).
-    Without prefix caching also in prefill: the DFlash2 arm prefills 7000 tokens in one
-    step (vLLM's window holds its 28 blocks then: results/spec_memory.json).  With prefix
+    Without prefix caching also in prefill: the DFlash2 arm prefills the 7000-token prompt
+    in 2048-token chunks (vLLM's window holds 9 blocks then, 28 in a one-step prefill:
+    results/spec_memory.json).  With prefix
     caching a prefill step holds what vLLM's window holds, the blocks a later hit needs
     (integration/draft_ring.py).  The sizes are published in the stats."""
     run = arms[arm]
@@ -126,7 +130,8 @@ def test_draft_ring_bounds_every_decode_step_and_prefill_without_prefix_caching(
     held = run["max_blocks_per_group"][ring[0]]
     decoding = run["max_decode_blocks_per_group"][ring[0]]
     assert 0 < decoding <= s["draft_ring_blocks"], (decoding, s)
-    if s["draft_ring_bounds_prefill"]:
+    if s["draft_ring_bounds_prefill"]:  # the ring's chunk path
+        assert run["chunked_prefill"] and run["max_num_batched_tokens"] == 2048, run
         assert held <= s["draft_ring_blocks"], (held, s)
     else:  # resident serving's drafter group, vLLM's window: the same blocks at every step
         plain = [g for g, grp in enumerate(arms["resident_dspark"]["kv_groups"])

@@ -187,3 +187,17 @@ def test_draft_layers_that_disagree_on_the_prefill_bound_are_not_merged():
     assert DraftRingSpec.merge([a, a]).bounds_prefill
     with pytest.raises(AssertionError, match="bounds_prefill"):
         DraftRingSpec.merge([a, DraftRingSpec(**{**a.__dict__, "bounds_prefill": False})])
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_ring_built_for_the_other_caching_mode_is_refused(caching):
+    """vLLM can turn prefix caching off after the worker built the specs: a bounded ring
+    under caching would find no hit, an unbounded one without it holds blocks for
+    nothing, so the scheduler's manager refuses either."""
+    from vllm.v1.core.block_pool import BlockPool
+    spec = DraftRingSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                         sliding_window=128, k_max=4, bounds_prefill=caching)
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=caching, hash_block_size=256)
+    with pytest.raises(ValueError, match="prefix caching"):
+        DraftRingManager(spec, block_pool=pool, enable_caching=caching, kv_cache_group_id=0,
+                         scheduler_block_size=256)

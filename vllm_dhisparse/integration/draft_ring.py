@@ -1,4 +1,5 @@
-"""The draft_ring: a drafter's KV is window-bounded on device, prefill included (eq. 9-10).
+"""The draft_ring: a drafter's KV is window-bounded on device, in prefill too without prefix
+caching (eq. 9-10).
 
 A DSpark / DFlash2 drafter attends to the last W tokens only, but vLLM gives it a
 ``SlidingWindowSpec`` whose manager frees blocks behind the window from the first
@@ -15,13 +16,13 @@ and K_max, managed by :class:`DraftRingManager`: a new block that lies wholly be
 the null block, whose slots the injection skips, and the real blocks of earlier
 prefill chunks behind that point are freed at once.  So a request holds at most
 ``R_d / p = ceil((W + p - 1 + K_max) / p)`` draft blocks at every step, chunked
-prefill included.  The null blocks are returned with the new ones, because the worker
+prefill included (without prefix caching; below).  The null blocks are returned with the new ones, because the worker
 appends what an allocation returns to its block table.  Decode frees as vLLM's sliding
 window does.  The connector refuses a drafter without a window of its own
 (spec/presets.py), and the ring refuses a layer that attends over another window.
 
 Admission counts the ring too: the spec's per-request cap (vLLM's startup sizer and
-its admission gate) is R_d / p, and the manager's count of blocks an allocation needs
+its admission gate) is R_d / p without prefix caching, and the manager's count of blocks an allocation needs
 is the real blocks the ring will take, so a long prompt is admitted on its ring, not
 on every prompt block.
 
@@ -32,7 +33,10 @@ the step, freed behind the window into the prefix cache as vLLM's sliding window
 A ring of null blocks behind its window finds no hit, and vLLM takes the smallest hit
 over the groups: every group of a speculating request would recompute its whole prompt.
 So prefill steps then hold what they write (at most the step's token budget / p blocks
-on top of the ring), hits equal resident serving's, and decode holds R_d / p as before.
+on top of the ring), admission and the start-up sizer count as vLLM's window does, hits
+equal resident serving's, and decode holds R_d / p as before.  The scheduler's manager
+refuses a spec whose mode disagrees with its own prefix caching (vLLM can turn caching
+off after the worker built the specs, e.g. for a non-causal layer).
 """
 from __future__ import annotations
 
@@ -83,6 +87,14 @@ class DraftRingManager(SlidingWindowManager):
         specs = list(specs.values()) if specs else [kv_cache_spec]
         self.k_max = max(s.k_max for s in specs)
         self.bounds_prefill = all(s.bounds_prefill for s in specs)
+        if self.bounds_prefill == self.enable_caching:
+            # a bounded ring finds no prefix hit; an unbounded one without caching holds
+            # the prefill's blocks for nothing
+            raise ValueError(f"the draft ring was built for prefix caching "
+                             f"{'off' if self.bounds_prefill else 'on'}, but the scheduler "
+                             f"runs with it {'on' if self.enable_caching else 'off'}; start "
+                             f"with --enable-prefix-caching or --no-enable-prefix-caching "
+                             f"explicitly")
 
     def ring_start_blocks(self, num_tokens: int) -> int:
         """Leading blocks no draft query reads once ``num_tokens`` slots exist."""

@@ -118,8 +118,9 @@ METRICS: tuple[MetricDef, ...] = (
     _c("arena_reuses", "Staging-arena takes by a layer after another layer of the same step "
                        "staged in that arena (layers reuse chi arenas)."),
     # -- speculative decoding (acceptance itself: vLLM's vllm:spec_decode_* counters) --
-    _g("draft_ring_rows", "R_d (eq. 9): draft-KV rows a request holds at most, prefill "
-                          "included; 0 without a DSpark / DFlash2 drafter."),
+    _g("draft_ring_rows", "R_d (eq. 9): draft-KV rows a request holds at most in decode, "
+                          "and in prefill without prefix caching; 0 without a DSpark / "
+                          "DFlash2 drafter."),
     _g("staging_bound_bytes", "M_stage (eq. 11): chi x N x K_max x k x d_KV; "
                               "0 without a DSpark / DFlash2 drafter."),
     MetricDef("verify_queries", "vllm:dhisparse_verify_queries", "histogram",
