@@ -152,6 +152,8 @@ def test_a_retried_request_does_not_overwrite_another_requests_rows():
         assert bool(overflow.any())  # r1's misses beyond B went to batch row 1's rows
         with pytest.raises(ValueError, match="names 2 batch rows for 1 requests"):
             h.resolve("a", ["r1"], again, arena=lease, arena_rows=[0, 1])
+        with pytest.raises(ValueError, match="pass its lease"):
+            h.resolve("a", ["r1"], again, arena_rows=[1])
         r0_rows = set(lease.overflow_rows([0], 8).flatten().tolist()) \
             | set(lease.fresh_rows(0, 2).tolist())
         r1_rows = set(lease.overflow_rows([1], 8).flatten().tolist()) \

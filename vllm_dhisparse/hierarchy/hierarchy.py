@@ -251,6 +251,8 @@ class KVHierarchy:
             parts.resolver.validate(req_ids, selections)
         if staging_rows is not None and arena is not None:
             raise ValueError("pass staging_rows or a staging arena lease, not both")
+        if arena_rows is not None and arena is None:
+            raise ValueError("arena_rows names rows of a staging arena: pass its lease")
         if arena is not None:
             if arena.source != source or arena.arenas is not parts.arenas:
                 raise ValueError(f"staging arena held by source {arena.source!r} passed to a "
