@@ -1,7 +1,7 @@
 """E2E fixtures: the demo model (built once) and a runner for offline vLLM generations.
 
-Each generation runs in its own process (vLLM spawns engine processes and
-keeps global state), through ``python -m vllm_dhisparse.tools.offline_run``.
+Each generation runs in its own process (vLLM keeps global state), through
+``python -m vllm_dhisparse.tools.offline_run``.
 """
 from __future__ import annotations
 

@@ -16,11 +16,10 @@ import sys
 
 import pytest
 
-from .conftest import REPO
+from .conftest import INPROC, REPO
 
 pytestmark = pytest.mark.e2e
 
-INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_config_model_and_platform_refusals(demo_model, tmp_path):
