@@ -16,15 +16,16 @@ and K_max, managed by :class:`DraftRingManager`: a new block that lies wholly be
 the null block, whose slots the injection skips, and the real blocks of earlier
 prefill chunks behind that point are freed at once.  So a request holds at most
 ``R_d / p = ceil((W + p - 1 + K_max) / p)`` draft blocks at every step, chunked
-prefill included (without prefix caching; below).  The null blocks are returned with the new ones, because the worker
-appends what an allocation returns to its block table.  Decode frees as vLLM's sliding
-window does.  The connector refuses a drafter without a window of its own
-(spec/presets.py), and the ring refuses a layer that attends over another window.
+prefill included (without prefix caching; below).  The null blocks are returned with
+the new ones, because the worker appends what an allocation returns to its block
+table.  Decode frees as vLLM's sliding window does.  The connector refuses a drafter
+without a window of its own (spec/presets.py), and the ring refuses a layer that attends
+over another window.
 
 Admission counts the ring too: the spec's per-request cap (vLLM's startup sizer and
-its admission gate) is R_d / p without prefix caching, and the manager's count of blocks an allocation needs
-is the real blocks the ring will take, so a long prompt is admitted on its ring, not
-on every prompt block.
+its admission gate) is R_d / p without prefix caching, and the manager's count of
+blocks an allocation needs is the real blocks the ring will take, so a long prompt is
+admitted on its ring, not on every prompt block.
 
 With prefix caching the prefill bound is off (``DraftRingSpec.bounds_prefill``): a
 later request's hit at h tokens needs the drafter's KV of the W tokens before h, and
