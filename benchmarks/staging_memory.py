@@ -21,6 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 # (name, kv_connector_extra_config, max_queries = 1 + speculative tokens)
 CONFIGS = [("demo", {}, 1), ("demo --spec dflash2", {}, 4),
@@ -88,8 +91,6 @@ def main(argv=None) -> int:
         print(line)
     result = dict(before=before if args.before_tree else None, after=after)
     print(json.dumps(result))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import common as C
     C.write_json("staging_memory", dict(meta=C.metadata(), **result))
     return 0
 
