@@ -107,9 +107,12 @@ def resident(demo_model):
 def decode(model, tmp_path, params, *extra, lens=LENS, max_tokens=MAX_TOKENS, cfg=None):
     path = tmp_path / "params.json"
     path.write_text(json.dumps({"outputs": [{"kv_transfer_params": p} for p in params]}))
+    # --settle-loads: the loads of one step are reported together, so the requests decode
+    # in one batch from their first step as in resident serving (the CPU GEMMs round by
+    # row count); otherwise which step a load ends in is up to transfer timing
     return run_offline(model, *args(lens, max_tokens), "--kv-role", "kv_consumer",
-                       "--kv-params", str(path), "--connector", json.dumps({**DECODE, **(cfg or {})}),
-                       *extra, env=ENV)
+                       "--kv-params", str(path), "--settle-loads",
+                       "--connector", json.dumps({**DECODE, **(cfg or {})}), *extra, env=ENV)
 
 
 def assert_pd_outputs(got, want, requests=None):
@@ -124,6 +127,10 @@ def assert_pd_outputs(got, want, requests=None):
 
 def test_decode_from_handoff_matches_resident(demo_model, producer, resident, tmp_path):
     got = decode(demo_model, tmp_path, producer.sets["A"])
+    # the same batches as resident serving once the loads have landed (steps before that
+    # run nothing), the precondition of bitwise logprobs
+    busy = [[n for n in run["running"] if n] for run in (got, resident)]
+    assert busy[0] == busy[1], (got["running"], resident["running"])
     assert_pd_outputs(got, resident)
     t, h = got["stats"]["totals"], got["stats"]["handoff"]
     # the decode engine ran one prompt token per request (the last, to sample), not the prompt
@@ -184,9 +191,8 @@ def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident,
 def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     """Policy recompute: an unknown handoff id and a producer that is gone (nothing
     listens there) are computed locally; the valid handoff still loads.  Tokens only:
-    the failures end at different steps (the dead producer after its timeout), so the
-    recomputed prefills share forwards with other requests' decode steps, which resident
-    serving never does, and bf16 sums round differently in those batches."""
+    the recomputed prefills share their forward with the loaded request's one-token
+    step, which resident serving never runs, and bf16 sums round differently there."""
     bad_id, gone, good = (dict(p) for p in producer.sets["C"])
     bad_id["dhisparse"] = {**bad_id["dhisparse"], "handoff_id": "no-such-handoff"}
     gone["remote_port"] = free_port()

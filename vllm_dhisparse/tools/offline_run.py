@@ -199,10 +199,30 @@ def preempt(llm, rid_prefix: str) -> bool:
 preempt.log = []
 
 
-def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=()):
+def loads_in_flight() -> int:
+    """Handoff loads this process's consumer has started and not finished (in-process
+    engine core: the worker's connector lives here)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    worker = get_kv_transfer_group().dhisparse_worker if has_kv_transfer_group() else None
+    consumer = getattr(getattr(worker, "handoff", None), "consumer", None)
+    return 0 if consumer is None else sum(not j.done.is_set() for j in list(consumer.jobs.values()))
+
+
+def settle_loads(timeout_s: float = 300) -> None:
+    t0 = time.time()
+    while loads_in_flight():
+        if time.time() - t0 > timeout_s:
+            raise SystemExit(f"--settle-loads: loads still in flight after {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
+def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle=False):
     """``LLM.generate`` by hand, so the running-request count is sampled every step;
     prompt i is added before engine step ``arrivals[i]`` (all at step 0 by default);
-    ``preempt_at``: ``(i, step)`` pairs, request i preempted before that step."""
+    ``preempt_at``: ``(i, step)`` pairs, request i preempted before that step;
+    ``settle``: after each step, wait until every handoff load started so far has ended,
+    so loads started in one step are reported together and their requests decode in one
+    batch from their first step, whatever the transfer timing."""
     engine = llm.llm_engine
     ids = [f"r{i}" for i in range(len(prompts))]
     pending = sorted(zip(arrivals or [0] * len(ids), range(len(ids))))
@@ -218,6 +238,8 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=()):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        if settle:
+            settle_loads()
         step += 1
         preemptions(llm, generate_stepwise.preemptions)
         n = running_requests(llm)
@@ -282,6 +304,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-params", default=None,
                     help="JSON file: a producer run's result; prompt i gets output i's "
                          "kv_transfer_params")
+    ap.add_argument("--settle-loads", action="store_true",
+                    help="kv_consumer, in-process engine: after each engine step wait until "
+                         "the handoff loads started so far have ended (batch composition "
+                         "independent of transfer timing)")
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
@@ -312,9 +338,12 @@ def main(argv=None) -> int:
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0,
                              extra_args={"kv_transfer_params": t} if t else None)
               for m, t in zip(max_tokens, transfer)]
+    if args.settle_loads and in_process_scheduler(llm) is None:
+        raise SystemExit("--settle-loads needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
     t0 = time.time()
     preempt_at = [tuple(int(x) for x in p.split(":")) for p in args.preempt]
-    outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at)
+    outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at,
+                                     args.settle_loads)
     gen_s = time.time() - t0
     vc = llm.llm_engine.vllm_config
     result = dict(load_s=load_s, generate_s=gen_s, outputs=[], running=running,
