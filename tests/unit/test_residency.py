@@ -205,6 +205,34 @@ def admit_failing_victim(h, truth, req):
     return ok
 
 
+def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
+    """Reclaim copies device-only pages in runs of consecutive history pages (one host
+    copy each, at most BACKUP_RUN_PAGES long), gathering rows from scattered device
+    pages, and skips pages that already have a host copy."""
+    from vllm_dhisparse.hierarchy.residency import ResidencyManager, _runs
+    assert _runs([0, 1, 2, 4, 5, 9], 2) == [[0, 1], [2], [4, 5], [9]]
+    assert _runs([], 4) == []
+    monkeypatch.setattr(ResidencyManager, "BACKUP_RUN_PAGES", 2)
+    h, truth = make(20)
+    for i in range(5):  # pages 3i .. 3i+2 each
+        assert admit(h, truth, f"x{i}", 0)
+    for i in (1, 3):
+        h.finish(f"x{i}")
+        truth.pop(f"x{i}")
+    assert admit(h, truth, "r0", 14)  # required 3-5; 7 pages kept at 9-11 and 15-18
+    opt = rec(h, "r0").optional
+    assert [opt[p] for p in sorted(opt)] == [9, 10, 11, 15, 16, 17, 18]
+    verify_backed_rows(h, "r0", [])  # deferred
+    host = h.sources["s"].host
+    host.complete_backup(host.prepare_backup("r0", 4 * PS, truth["r0"]["s"][4 * PS:5 * PS]))
+    written = h.stats()["sources"]["s"]["host_pages_written"]
+    assert h.sources["s"].residency.reclaim("r0") == 7
+    assert h.stats()["sources"]["s"]["host_pages_written"] - written == 6  # page 4 had a copy
+    verify_backed_rows(h, "r0", range(14))
+    check_invariants(h, truth)
+    verify_resolves(h, truth, "r0")  # every row now through hot cache / host, exact
+
+
 def test_repopulation_is_bounded_and_round_robin():
     h, truth = make(15, repopulate_pages_per_step=2)
     assert admit(h, truth, "f", 0)  # 12 free

@@ -109,7 +109,7 @@ class DevicePagePool:
 
     def write(self, locs: torch.Tensor, data: torch.Tensor) -> None:
         """``row[locs[i]] = data[i]`` for logical rows.  locs [n] int, data [n, row_bytes] uint8."""
-        locs = locs.to(self.device, torch.int64)
+        locs = locs.to(self.device, torch.int64, non_blocking=True)
         for start, plane in self.segments:
             plane[locs] = data[:, start:start + plane.shape[1]].to(self.device)
 
@@ -117,6 +117,14 @@ class DevicePagePool:
         """Rows ``[first, first + n)`` as contiguous views of every plane, for copies in
         and out: ``[(first byte inside a row, uint8 [n, seg_bytes])]``."""
         return [(start, plane[first:first + n]) for start, plane in self.segments]
+
+    def page_planes(self, pages: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """The rows of ``pages`` in order, as ``plane_rows`` gives them: views when the
+        pages are consecutive, else one gather per plane (a new tensor)."""
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            return self.plane_rows(self.first_row(pages[0]), len(pages) * self.page_size)
+        locs = self.page_rows(pages).to(self.device, non_blocking=True)
+        return [(start, plane[locs]) for start, plane in self.segments]
 
     def write_range(self, first: int, data: torch.Tensor) -> None:
         for start, plane in self.segments:

@@ -92,6 +92,8 @@ class AdmissionPlan:
 
 
 class ResidencyManager:
+    BACKUP_RUN_PAGES = 1024  # pages per reclaim copy: bounds the gather buffer (37 MiB at 584 B rows)
+
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
                  tail_pages: int, reserve_pages: int = 0,
                  policy: str = "largest_first", optional_residency: bool = True,
@@ -157,26 +159,23 @@ class ResidencyManager:
     def reclaim(self, req_id: str) -> int:
         """Returns all optional and pending pages of ``req_id`` to the pool (backup first)."""
         rec = self.request(req_id)
-        ps = self.page_size
         # 1. two-phase backup of device-only rows; an exception leaves every page in place
-        backed = self.host.backed(req_id)
+        unbacked = self._unbacked(rec)
         issued = []
         try:
-            for page, dev in sorted(rec.optional.items()):
-                if not bool(backed[page * ps:(page + 1) * ps].all()):
-                    src = self.pool.plane_rows(self.pool.first_row(dev), ps)
-                    issued.append(self.host.prepare_backup(req_id, page * ps, src))
+            for run in _runs(unbacked, self.BACKUP_RUN_PAGES):
+                src = self.pool.page_planes([rec.optional[p] for p in run])
+                issued.append(self.host.prepare_backup(req_id, run[0] * self.page_size, src))
         except BaseException:  # the caller may free the extent: no copy may still write it
             for pending in issued:
                 pending.transfer.wait()
             raise
-        for pending in issued:
+        for pending in issued:  # the first wait covers the others (one copy stream)
             self.host.complete_backup(pending)
-        self.counters.host_pages_written += len(issued)
+        self.counters.host_pages_written += len(unbacked)
         self._settled.discard(req_id)  # its dropped pages are eligible again
         # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
-        for page in rec.optional:
-            self.source.unpublish_page(req_id, page)
+        self.source.unpublish_pages(self.source.slot(req_id), list(rec.optional))
         self._wait_populations(rec)  # pending pages are host-backed already; just drop them
         pages = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
         rec.optional.clear()
@@ -186,6 +185,18 @@ class ResidencyManager:
         self.counters.requests_reclaimed += 1
         self.counters.pages_reclaimed += len(pages)
         return len(pages)
+
+    def _complete_pages(self, rec: RequestPages) -> torch.Tensor:
+        """Which complete imported pages have a host copy.  # [eligible_pages] bool (CPU)"""
+        full, ps = rec.eligible_pages, self.page_size
+        return self.host.backed(rec.req_id)[:full * ps].view(full, ps).all(1)
+
+    def _unbacked(self, rec: RequestPages) -> list[int]:
+        """Optional pages without a host copy (deferred backups), ascending."""
+        if not rec.optional:
+            return []
+        pages = torch.tensor(sorted(rec.optional))
+        return pages[~self._complete_pages(rec)[pages]].tolist()
 
     def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None) -> RequestPages:
         """Reserves required pages, opens the slot and places imported history.
@@ -219,10 +230,12 @@ class ResidencyManager:
         # Keep the pages nearest the tail: recent history is the likeliest to be selected.
         first_kept = full - keep
         dev_pages = self.pool.allocate(keep)
-        for page, dev in zip(range(first_kept, full), dev_pages):
-            self.pool.write(self.pool.page_rows([dev]), imported[page * ps:(page + 1) * ps])
-            rec.optional[page] = dev
-            self.source.publish_page(rec.req_id, page, self.pool.first_row(dev))
+        if keep:  # one write of every kept page, one publish
+            self.pool.write(self.pool.page_rows(dev_pages), imported[first_kept * ps:full * ps])
+            kept = list(range(first_kept, full))
+            rec.optional.update(zip(kept, dev_pages))
+            self.source.publish_pages([self.source.slot(rec.req_id)] * keep, kept,
+                                      [self.pool.first_row(d) for d in dev_pages])
         if self.eager_backup:
             self._write_host(rec, imported, first_kept * ps, full * ps)
         else:  # deferred: done only if this request is reclaimed
@@ -240,17 +253,16 @@ class ResidencyManager:
         self.counters.host_pages_written += (end - start) // self.page_size
 
     # -- repopulation -----------------------------------------------------------------
-    def _next_eligible(self, rec: RequestPages) -> int | None:
-        """Highest complete imported page that is host-backed and not on device."""
-        ps, full = self.page_size, rec.eligible_pages
-        if full == 0 or rec.held_optional >= full:
-            return None
-        ok = self.host.backed(rec.req_id)[:full * ps].view(full, ps).all(1)
+    def _eligible(self, rec: RequestPages) -> list[int]:
+        """Complete imported pages that are host-backed and not on device, highest first
+        (recent history is the likeliest to be selected)."""
+        if rec.eligible_pages == 0 or rec.held_optional >= rec.eligible_pages:
+            return []
+        ok = self._complete_pages(rec)
         taken = list(rec.optional) + list(rec.pending)
         if taken:
             ok[torch.tensor(taken)] = False
-        idx = ok.nonzero().flatten()
-        return int(idx[-1]) if idx.numel() else None
+        return ok.nonzero().flatten().flip(0).tolist()
 
     def repopulate(self, max_pages: int) -> int:
         """Issues up to ``max_pages`` page copies, one page per request per turn, round-robin
@@ -261,11 +273,17 @@ class ResidencyManager:
         order = list(self.requests)
         budget = min(max_pages, self.pool.num_free - self.reserve)
         issued = idle = 0
+        eligible: dict[str, list[int]] = {}  # listed once per call, on a request's first turn
         while issued < budget and idle < len(order):
             i = self._cursor % len(order)
             self._cursor = i + 1
             rec = self.requests[order[i]]
-            page = None if rec.req_id in self._settled else self._next_eligible(rec)
+            page = None
+            if rec.req_id not in self._settled:
+                pages = eligible.get(rec.req_id)
+                if pages is None:
+                    pages = eligible[rec.req_id] = self._eligible(rec)[::-1]  # lowest first
+                page = pages.pop() if pages else None
             if page is None:
                 self._settled.add(rec.req_id)
                 idle += 1
@@ -287,17 +305,20 @@ class ResidencyManager:
     def complete_populations(self) -> int:
         """Publishes pending pages whose copy has finished (polled: a copy still in flight
         stays pending, its rows served by hot cache / host meanwhile)."""
-        done = 0
+        slots, pages, rows = [], [], []
         for rec in list(self._populating.values()):
+            slot = self.source.slot(rec.req_id)
             for page in sorted(page for page, p in rec.pending.items() if p.transfer.done()):
                 p = rec.pending.pop(page)
                 rec.optional[page] = p.device_page
-                self.source.publish_page(rec.req_id, page, self.pool.first_row(p.device_page))
-                done += 1
+                slots.append(slot)
+                pages.append(page)
+                rows.append(self.pool.first_row(p.device_page))
             if not rec.pending:
                 del self._populating[rec.req_id]
-        self.counters.pages_repopulated += done
-        return done
+        self.source.publish_pages(slots, pages, rows)  # one write for every page
+        self.counters.pages_repopulated += len(pages)
+        return len(pages)
 
     # -- release ----------------------------------------------------------------------
     def release(self, req_id: str) -> None:
@@ -313,3 +334,15 @@ class ResidencyManager:
         self.pool.free(rec.owned_pages())
         self.source.close_slot(req_id)
         self.host.free(req_id)
+
+
+def _runs(pages: list[int], most: int) -> list[list[int]]:
+    """Ascending ``pages`` cut into runs of consecutive pages, each at most ``most`` long
+    (one host copy each: the host rows of consecutive history pages are contiguous)."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and p == runs[-1][-1] + 1 and len(runs[-1]) < most:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs

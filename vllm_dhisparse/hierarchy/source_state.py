@@ -139,6 +139,11 @@ class SourceState:
             self.page_table[host_index(slots, self.device), host_index(pages, self.device)] = \
                 host_index(device_rows, self.device).int()
 
+    def unpublish_pages(self, slot: int, pages: list[int]) -> None:
+        """:meth:`unpublish_page` for many pages of one slot: one write."""
+        if pages:
+            self.page_table[slot, host_index(pages, self.device)] = -1
+
     def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
         """Lengths of many slots at once (callers check them): one write."""
         if len(slots):
