@@ -1,0 +1,328 @@
+"""The hierarchy through a load step (admissions that reclaim, then repopulation) at DeepSeek-V4.1-Flash shapes.
+
+    python3 benchmarks/bench_hierarchy_load.py                          # H200, full sizes
+    TRITON_INTERPRET=1 python benchmarks/bench_hierarchy_load.py --smoke   # CPU, tiny
+
+Shapes, selections and the decode step are those of ``bench_hierarchy_step.py``
+(four sources, k = 512, 584-byte rows in two planes, five resolve calls on ``c4a``
+and one on each other source, a row appended per source every ``--compress``
+steps, ``--miss`` of k fresh host rows per call).  ``--batch`` sessions are
+admitted with ``--history`` rows per source into device pools with room for
+``--resident`` of that history beyond the required pages, so optional history
+fills the spare pages; then three phases:
+
+* base: decode steps of the base sessions;
+* burst: ``--burst`` sessions with the same history arrive together.  Each
+  admission needs required pages the pool does not have free: it reclaims whole
+  requests' optional history (eq. 4, largest first), backing up device-only pages
+  first, and places its own history resident-first, the rest on host.  Then
+  decode steps of every session;
+* drain: the burst sessions finish, and the base sessions decode while ``step()``
+  repopulates the reclaimed history (``--repopulate`` pages per source and step)
+  until coverage (ready optional rows / eligible history rows) is back to its
+  base value, or ``--drain-steps``.
+
+Checked: every ``--check-every``-th step of each phase reads the bytes at every
+location of sampled base and burst sessions against the truth (eq. 12); checked
+steps are not timed.  Timed: each admission and each finish (wall clock,
+synchronised, host synchronisations, pages reclaimed, bytes written to host), and
+each decode step (wall clock, host synchronisations, bytes fetched, coverage,
+pages repopulated).  Results: ``results/bench_hierarchy_load.{json,png}``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_hierarchy_step as S  # noqa: E402
+import common as C  # noqa: E402
+
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
+
+FULL = dict(S.FULL, batch=512, burst=64, steps=8, drain_steps=1200, check_every=8, cycle=8)
+SMOKE = dict(S.SMOKE, batch=4, burst=2, steps=3, drain_steps=12, check_every=2, cycle=2)
+
+
+def build(cfg: dict, dev: torch.device, resident: float, repopulate: int):
+    """The hierarchy with the base sessions admitted, and the truth of every session
+    (base and burst): ``truth[source][i]`` is session ``s{i}``'s rows."""
+    n, m, ps, hist = cfg["batch"], cfg["burst"], cfg["page_size"], cfg["history"]
+    steps = 2 * cfg["steps"] + cfg["drain_steps"]
+    max_rows = hist + steps // cfg["compress"] + 2 * ps
+    specs = []
+    for name, budget in zip(S.SOURCES, cfg["budgets"]):
+        per_req = -(-budget // ps) + 2  # hot, tail
+        specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
+                          device_pages=n * per_req + int(resident * n * (hist // ps)),
+                          host_rows=(n + m) * max_rows, hot_rows=budget, tail_pages=2,
+                          max_slots=n + m, max_rows=max_rows, segments=cfg["segments"]))
+    h = KVHierarchy(specs, device=dev, repopulate_pages_per_step=repopulate)
+    g = torch.Generator(device=dev).manual_seed(n)
+    truth = {s: torch.randint(0, 256, (n + m, max_rows, cfg["row_bytes"]), generator=g,
+                              dtype=torch.uint8, device=dev) for s in S.SOURCES}
+    ids = [f"s{i}" for i in range(n + m)]
+    for i in range(n):
+        assert h.admit(ids[i], max_rows, {s: truth[s][i, :hist] for s in S.SOURCES}), ids[i]
+    return h, ids, truth, max_rows
+
+
+def coverage(h) -> float:
+    st = h.stats()["sources"]
+    eligible = sum(p["eligible_history_rows"] for p in st.values())
+    return sum(p["ready_optional_rows"] for p in st.values()) / max(1, eligible)
+
+
+def totals(h) -> dict:
+    out = dict.fromkeys(("direct", "hot", "host", "bytes_fetched", "pages_reclaimed",
+                         "pages_repopulated", "host_pages_written"), 0)
+    for p in h.sources.values():
+        t = p.resolver.totals()
+        for f in ("direct", "hot", "host", "bytes_fetched"):
+            out[f] += getattr(t, f)
+        for f in ("pages_reclaimed", "pages_repopulated", "host_pages_written"):
+            out[f] += getattr(p.residency.counters, f)
+    return out
+
+
+class Phase:
+    """The selections of one phase's batch, drawn before timing (generation is not the
+    hierarchy's); calls cycle through ``cfg['cycle']`` drawn steps."""
+
+    def __init__(self, h, cfg, ids, miss, dev, seed):
+        self.ids = ids
+        self.calls = {}
+        for key, plan in S.selection_plan(h, cfg, ids, seed).items():
+            self.calls[key] = [S.selections(cfg, plan, cfg["history"], miss, seed * 100 + j, dev)
+                               for j in range(cfg["cycle"])]
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check(h, phase: Phase, key, sel, loc, truth, positions) -> str | None:
+    source = key[0]
+    parts = h.source(source)
+    for i in positions:
+        rid = phase.ids[i]
+        valid = (sel[i] >= 0) & (sel[i] < parts.state.seq_len(rid))
+        if bool((loc[i][~valid] != -1).any()):
+            return f"{source}: session {rid} has a location for a padding or invalid selection"
+        got = parts.pool.read(loc[i][valid].long())
+        want = truth[source][i, sel[i][valid].long()]
+        if not torch.equal(got.to(want.device), want):
+            return f"{source}: session {rid} read wrong bytes ({int((got != want).any(-1).sum())} rows)"
+    return None
+
+
+def decode_step(h, cfg, phase: Phase, truth, step_no: int, dev, positions) -> str | None:
+    """Appends (every ``compress`` steps, at each session's own length), the step's
+    resolve calls, ``step()``; ``positions``: sessions whose locations are checked."""
+    ids = phase.ids
+    if step_no % cfg["compress"] == 0:
+        who = torch.arange(len(ids), device=dev)
+        for s in S.SOURCES:
+            st = h.source(s).state
+            pos = torch.from_numpy(st.seq_lens_of(st.slot_array(ids))).to(dev, non_blocking=True)
+            failed = h.append_batch(s, ids, truth[s][who, pos])
+            if failed:
+                raise RuntimeError(f"append_batch to {s} failed for {failed}")
+    err = None
+    for key, calls in phase.calls.items():
+        sel = calls[step_no % len(calls)]
+        loc, _ = h.resolve(key[0], ids, sel, validate=False)
+        if positions and err is None:
+            err = check(h, phase, key, sel, loc, truth, positions)
+    h.step()
+    bad = {s: n for s, n in h.invalid_selections().items() if n}  # one host read per step
+    return err or (f"invalid selections (resolved as padding): {bad}" if bad else None)
+
+
+def run_steps(h, cfg, phase, truth, first: int, count: int, dev, positions, name: str,
+              stop_at: float | None = None):
+    """``count`` decode steps (fewer when coverage reaches ``stop_at``); returns
+    (per-step records, errors)."""
+    records, errors = [], []
+    for j in range(count):
+        no = first + j
+        checked = j % cfg["check_every"] == 0
+        before = totals(h)
+        sync(dev)
+        t0 = time.perf_counter()
+        with S.SyncCounter() as sc:
+            err = decode_step(h, cfg, phase, truth, no, dev, positions if checked else ())
+            sync(dev)
+        wall = time.perf_counter() - t0
+        if err:
+            errors.append(f"{name} step {j}: {err}")
+        after = totals(h)
+        d = {k: after[k] - before[k] for k in after}
+        sel = max(1, d["direct"] + d["hot"] + d["host"])
+        records.append(dict(phase=name, step=no, checked=checked, sessions=len(phase.ids),
+                            wall_ms=wall * 1e3, host_syncs=sc.count,
+                            bytes_fetched=d["bytes_fetched"], host_share=d["host"] / sel,
+                            pages_repopulated=d["pages_repopulated"], coverage=coverage(h)))
+        if stop_at is not None and records[-1]["coverage"] >= stop_at:
+            break
+    return records, errors
+
+
+def timed(dev, fn):
+    sync(dev)
+    t0 = time.perf_counter()
+    with S.SyncCounter() as sc:
+        out = fn()
+        sync(dev)
+    return out, (time.perf_counter() - t0) * 1e3, sc.count
+
+
+def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
+    n, m, hist = cfg["batch"], cfg["burst"], cfg["history"]
+    h, ids, truth, max_rows = build(cfg, dev, resident, repopulate)
+    sample = cfg["check_sessions"]
+    base_pos = list(range(min(sample, n)))
+    all_pos = base_pos + list(range(n, n + min(sample, m)))
+    base = Phase(h, cfg, ids[:n], miss, dev, seed=1)
+    records, errors = [], []
+    r, e = run_steps(h, cfg, base, truth, 0, cfg["steps"], dev, base_pos, "base")
+    records += r
+    errors += e
+    base_coverage = coverage(h)
+    no = cfg["steps"]
+
+    admissions = []
+    for i in range(n, n + m):
+        before = totals(h)
+        ok, ms, syncs = timed(dev, lambda: h.admit(ids[i], max_rows,
+                                                   {s: truth[s][i, :hist] for s in S.SOURCES}))
+        if not ok:
+            errors.append(f"burst: admission of {ids[i]} waited (pool too small for the burst)")
+            break
+        d = {k: v - before[k] for k, v in totals(h).items()}
+        admissions.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs,
+                               pages_reclaimed=d["pages_reclaimed"],
+                               bytes_to_host=d["host_pages_written"] * cfg["page_size"]
+                               * cfg["row_bytes"]))
+    burst_coverage = coverage(h)
+    everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2)
+    r, e = run_steps(h, cfg, everyone, truth, no, cfg["steps"], dev, all_pos, "burst")
+    records += r
+    errors += e
+    no += cfg["steps"]
+
+    finishes = []
+    for i in range(n, n + len(admissions)):
+        _, ms, syncs = timed(dev, lambda: h.finish(ids[i]))
+        finishes.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs))
+    drain = Phase(h, cfg, ids[:n], miss, dev, seed=3)
+    r, e = run_steps(h, cfg, drain, truth, no, cfg["drain_steps"], dev, base_pos, "drain",
+                     stop_at=base_coverage)
+    records += r
+    errors += e
+    return dict(records=records, admissions=admissions, finishes=finishes, errors=errors,
+                coverage=dict(base=base_coverage, after_burst=burst_coverage,
+                              end=coverage(h)),
+                drain_steps_to_recover=len(r) if r and r[-1]["coverage"] >= base_coverage
+                else None)
+
+
+def summary(result: dict) -> dict:
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+    out = {}
+    for phase in ("base", "burst", "drain"):
+        rec = [r for r in result["records"] if r["phase"] == phase and not r["checked"]]
+        out[phase] = dict(step_ms_median=med([r["wall_ms"] for r in rec]),
+                          step_ms_max=max((r["wall_ms"] for r in rec), default=None),
+                          host_syncs_median=med([r["host_syncs"] for r in rec]),
+                          host_share_mean=sum(r["host_share"] for r in rec) / max(1, len(rec)),
+                          timed_steps=len(rec))
+    adm = result["admissions"]
+    out["admission_ms_median"] = med([a["wall_ms"] for a in adm])
+    out["admission_ms_max"] = max((a["wall_ms"] for a in adm), default=None)
+    out["admission_host_syncs_median"] = med([a["host_syncs"] for a in adm])
+    out["pages_reclaimed"] = sum(a["pages_reclaimed"] for a in adm)
+    out["finish_ms_median"] = med([f["wall_ms"] for f in result["finishes"]])
+    return out
+
+
+def plot(result: dict, meta: dict, name: str) -> None:
+    fig, ax = C.new_figure(3, "KVHierarchy through a load step (burst of admissions, then drain)",
+                           meta)
+    rec = result["records"]
+    colors = {"base": "tab:blue", "burst": "tab:red", "drain": "tab:green"}
+    for phase, c in colors.items():
+        xs = [r["step"] for r in rec if r["phase"] == phase and not r["checked"]]
+        ys = [r["wall_ms"] for r in rec if r["phase"] == phase and not r["checked"]]
+        ax[0].plot(xs, ys, ".", color=c, label=phase)
+    ax[0].set_xlabel("decode step")
+    ax[0].set_ylabel("ms per step (wall, unchecked steps)")
+    ax[0].set_yscale("log")
+    ax[0].legend(fontsize=7)
+    xs = [r["step"] for r in rec]
+    ax[1].plot(xs, [r["coverage"] for r in rec], label="coverage (ready / eligible history)")
+    ax[1].plot(xs, [r["host_share"] for r in rec], label="host-fetched share of selections")
+    ax[1].set_xlabel("decode step")
+    ax[1].set_ylim(0, 1.05)
+    ax[1].legend(fontsize=7)
+    adm = result["admissions"]
+    ax[2].bar(range(len(adm)), [a["wall_ms"] for a in adm], color="tab:red")
+    ax[2].set_xlabel("admission in the burst")
+    ax[2].set_ylabel("ms (wall, reclaim + placement, all sources)")
+    C.save_figure(fig, name)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, interpreter)")
+    ap.add_argument("--batch", type=int, help="base sessions")
+    ap.add_argument("--burst", type=int, help="sessions that arrive together")
+    ap.add_argument("--history", type=int, help="rows of imported history per session and source")
+    ap.add_argument("--miss", type=float, default=0.05, help="host misses, fraction of k")
+    ap.add_argument("--resident", type=float, default=0.7,
+                    help="device room beyond required pages for this fraction of the base "
+                         "sessions' history")
+    ap.add_argument("--repopulate", type=int, default=16,
+                    help="repopulate_pages_per_step (pages per source and step)")
+    ap.add_argument("--compress", type=int, default=4, help="decode steps per appended row")
+    ap.add_argument("--drain-steps", type=int, help="most decode steps after the burst")
+    ap.add_argument("--name", default=None, help="results file stem")
+    args = ap.parse_args(argv)
+    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress)
+    for key in ("batch", "burst", "history", "drain_steps"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    if cfg["batch"] < 1 or cfg["burst"] < 1:
+        ap.error(f"--batch {cfg['batch']} and --burst {cfg['burst']} must be >= 1")
+    dev = C.device()
+    meta = C.metadata()
+    print(f"# bench_hierarchy_load on {meta['device']} ({meta['date_utc']}): {cfg['batch']} "
+          f"sessions + a burst of {cfg['burst']}, history {cfg['history']} rows, miss {args.miss:.0%}")
+    result = run(cfg, args.miss, dev, args.resident, args.repopulate)
+    result["summary"] = summary(result)
+    s, cov = result["summary"], result["coverage"]
+    for phase in ("base", "burst", "drain"):
+        p = s[phase]
+        print(f"  {phase:>5}: step median {p['step_ms_median']:.2f} ms (max "
+              f"{p['step_ms_max']:.2f}), {p['host_syncs_median']} host syncs, host share "
+              f"{p['host_share_mean']:.3f}, {p['timed_steps']} timed steps")
+    print(f"  admissions: median {s['admission_ms_median']:.2f} ms (max {s['admission_ms_max']:.2f}),"
+          f" {s['admission_host_syncs_median']} host syncs, {s['pages_reclaimed']} pages reclaimed;"
+          f" finishes: median {s['finish_ms_median']:.2f} ms")
+    print(f"  coverage: base {cov['base']:.3f}, after the burst {cov['after_burst']:.3f}, end "
+          f"{cov['end']:.3f}; drain steps to recover: {result['drain_steps_to_recover']}"
+          + (f"  ERRORS {result['errors']}" if result["errors"] else ""))
+    name = args.name or ("bench_hierarchy_load_smoke" if args.smoke else "bench_hierarchy_load")
+    C.write_json(name, dict(meta=meta, config=cfg, miss=args.miss, resident=args.resident,
+                            repopulate=args.repopulate, **result))
+    plot(result, meta, name)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
