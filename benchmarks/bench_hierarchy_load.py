@@ -187,7 +187,6 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     h, ids, truth, max_rows = build(cfg, dev, resident, repopulate)
     sample = cfg["check_sessions"]
     base_pos = list(range(min(sample, n)))
-    all_pos = base_pos + list(range(n, n + min(sample, m)))
     base = Phase(h, cfg, ids[:n], miss, dev, seed=1)
     records, errors = [], []
     r, e = run_steps(h, cfg, base, truth, 0, cfg["steps"], dev, base_pos, "base")
@@ -210,6 +209,7 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
                                bytes_to_host=d["host_pages_written"] * cfg["page_size"]
                                * cfg["row_bytes"]))
     burst_coverage = coverage(h)
+    all_pos = base_pos + list(range(n, n + min(sample, len(admissions))))
     everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2)
     r, e = run_steps(h, cfg, everyone, truth, no, cfg["steps"], dev, all_pos, "burst")
     records += r
@@ -305,21 +305,22 @@ def main(argv=None) -> int:
           f"sessions + a burst of {cfg['burst']}, history {cfg['history']} rows, miss {args.miss:.0%}")
     result = run(cfg, args.miss, dev, args.resident, args.repopulate)
     result["summary"] = summary(result)
-    s, cov = result["summary"], result["coverage"]
-    for phase in ("base", "burst", "drain"):
-        p = s[phase]
-        print(f"  {phase:>5}: step median {p['step_ms_median']:.2f} ms (max "
-              f"{p['step_ms_max']:.2f}), {p['host_syncs_median']} host syncs, host share "
-              f"{p['host_share_mean']:.3f}, {p['timed_steps']} timed steps")
-    print(f"  admissions: median {s['admission_ms_median']:.2f} ms (max {s['admission_ms_max']:.2f}),"
-          f" {s['admission_host_syncs_median']} host syncs, {s['pages_reclaimed']} pages reclaimed;"
-          f" finishes: median {s['finish_ms_median']:.2f} ms")
-    print(f"  coverage: base {cov['base']:.3f}, after the burst {cov['after_burst']:.3f}, end "
-          f"{cov['end']:.3f}; drain steps to recover: {result['drain_steps_to_recover']}"
-          + (f"  ERRORS {result['errors']}" if result["errors"] else ""))
     name = args.name or ("bench_hierarchy_load_smoke" if args.smoke else "bench_hierarchy_load")
     C.write_json(name, dict(meta=meta, config=cfg, miss=args.miss, resident=args.resident,
                             repopulate=args.repopulate, **result))
+    s, cov = result["summary"], result["coverage"]
+    ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731 -- a phase may time no step
+    for phase in ("base", "burst", "drain"):
+        p = s[phase]
+        print(f"  {phase:>5}: step median {ms(p['step_ms_median'])} ms (max "
+              f"{ms(p['step_ms_max'])}), {p['host_syncs_median']} host syncs, host share "
+              f"{p['host_share_mean']:.3f}, {p['timed_steps']} timed steps")
+    print(f"  admissions: median {ms(s['admission_ms_median'])} ms (max "
+          f"{ms(s['admission_ms_max'])}), {s['admission_host_syncs_median']} host syncs, "
+          f"{s['pages_reclaimed']} pages reclaimed; finishes: median {ms(s['finish_ms_median'])} ms")
+    print(f"  coverage: base {cov['base']:.3f}, after the burst {cov['after_burst']:.3f}, end "
+          f"{cov['end']:.3f}; drain steps to recover: {result['drain_steps_to_recover']}"
+          + (f"  ERRORS {result['errors']}" if result["errors"] else ""))
     plot(result, meta, name)
     return 1 if result["errors"] else 0
 

@@ -233,6 +233,34 @@ def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
     verify_resolves(h, truth, "r0")  # every row now through hot cache / host, exact
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA copy stream")
+def test_reclaim_gathers_stay_alive_until_their_copy_ran(monkeypatch):
+    """Scattered device pages of two planes are gathered on the compute stream and joined
+    on the copy stream; with the copy stream busy (earlier backups), a gathered buffer
+    freed early would be handed to the next run's gather before the join read it."""
+    from vllm_dhisparse.hierarchy.residency import ResidencyManager
+    monkeypatch.setattr(ResidencyManager, "BACKUP_RUN_PAGES", 2)
+    ps, n = 64, 200  # history pages
+    spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
+                device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_rows=ps, tail_pages=1,
+                max_slots=2, max_rows=(n + 2) * ps)
+    h = KVHierarchy([spec], device="cuda")
+    parts = h.sources["c"]
+    held = parts.pool.allocate(parts.pool.num_free)
+    parts.pool.free(held[::2])  # every other page free: the optional pages scatter
+    truth = torch.randint(0, 256, (n * ps, 584), dtype=torch.uint8, device="cuda")
+    assert h.admit("r0", (n + 2) * ps, {"c": truth})
+    assert len(parts.residency.requests["r0"].optional) == n
+    big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(2 << 30, dtype=torch.uint8, pin_memory=True)
+    with torch.cuda.stream(parts.host.copies.stream):  # the copy stream runs late
+        pinned.copy_(big, non_blocking=True)
+    parts.residency.reclaim("r0")
+    got = parts.host.read("r0", torch.arange(n * ps)).cuda()
+    bad = (got != truth).any(1).view(n, ps).any(1)
+    assert int(bad.sum()) == 0, f"{int(bad.sum())} pages backed up with another run's rows"
+
+
 def test_repopulation_is_bounded_and_round_robin():
     h, truth = make(15, repopulate_pages_per_step=2)
     assert admit(h, truth, "f", 0)  # 12 free

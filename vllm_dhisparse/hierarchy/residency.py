@@ -92,7 +92,9 @@ class AdmissionPlan:
 
 
 class ResidencyManager:
-    BACKUP_RUN_PAGES = 1024  # pages per reclaim copy: bounds the gather buffer (37 MiB at 584 B rows)
+    # pages per reclaim copy; with two copies in flight a reclaim gathers at most
+    # 2 x 1024 pages of rows (74 MiB at 64-row pages of 584 B)
+    BACKUP_RUN_PAGES = 1024
 
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
                  tail_pages: int, reserve_pages: int = 0,
@@ -166,11 +168,13 @@ class ResidencyManager:
             for run in _runs(unbacked, self.BACKUP_RUN_PAGES):
                 src = self.pool.page_planes([rec.optional[p] for p in run])
                 issued.append(self.host.prepare_backup(req_id, run[0] * self.page_size, src))
+                if len(issued) > 1:  # two runs in flight at most: bounds the gathered rows
+                    self.host.complete_backup(issued[-2])
         except BaseException:  # the caller may free the extent: no copy may still write it
             for pending in issued:
                 pending.transfer.wait()
             raise
-        for pending in issued:  # the first wait covers the others (one copy stream)
+        for pending in issued[-1:]:
             self.host.complete_backup(pending)
         self.counters.host_pages_written += len(unbacked)
         self._settled.discard(req_id)  # its dropped pages are eligible again

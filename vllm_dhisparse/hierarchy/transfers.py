@@ -66,7 +66,10 @@ class CopyStream:
             else:
                 rows = torch.cat([plane for _, plane in planes], dim=1)
             dst.copy_(rows, non_blocking=True)
-            return self._end(dst, rows)
+            # the planes too: a gather made them on the compute stream, and only these
+            # references stop the allocator from handing their memory out before the
+            # copy stream has read them
+            return self._end(dst, rows, *(plane for _, plane in planes))
 
     def to_device(self, dst: Planes, src: torch.Tensor) -> Transfer:
         """Device planes ``dst`` <- ``src`` ([n, W] contiguous host slice)."""

@@ -338,8 +338,9 @@ def main(argv=None) -> int:
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0,
                              extra_args={"kv_transfer_params": t} if t else None)
               for m, t in zip(max_tokens, transfer)]
-    if args.settle_loads and in_process_scheduler(llm) is None:
-        raise SystemExit("--settle-loads needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    if args.settle_loads and (args.kv_role != "kv_consumer" or in_process_scheduler(llm) is None):
+        raise SystemExit("--settle-loads needs --kv-role kv_consumer and "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING=0")
     t0 = time.time()
     preempt_at = [tuple(int(x) for x in p.split(":")) for p in args.preempt]
     outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at,
