@@ -66,9 +66,10 @@ def build(cfg: dict, dev: torch.device, resident: float, repopulate: int):
     truth = {s: torch.randint(0, 256, (n + m, max_rows, cfg["row_bytes"]), generator=g,
                               dtype=torch.uint8, device=dev) for s in S.SOURCES}
     ids = [f"s{i}" for i in range(n + m)]
+    lens = S.history_lengths(cfg, n + m)  # staggered: tail pages complete in different steps
     for i in range(n):
-        assert h.admit(ids[i], max_rows, {s: truth[s][i, :hist] for s in S.SOURCES}), ids[i]
-    return h, ids, truth, max_rows
+        assert h.admit(ids[i], max_rows, {s: truth[s][i, :lens[i]] for s in S.SOURCES}), ids[i]
+    return h, ids, truth, max_rows, lens
 
 
 def coverage(h) -> float:
@@ -93,11 +94,12 @@ class Phase:
     """The selections of one phase's batch, drawn before timing (generation is not the
     hierarchy's); calls cycle through ``cfg['cycle']`` drawn steps."""
 
-    def __init__(self, h, cfg, ids, miss, dev, seed):
+    def __init__(self, h, cfg, ids, miss, dev, seed, rows: int):
+        """``rows``: selections draw from the first ``rows`` rows (every session has them)."""
         self.ids = ids
         self.calls = {}
         for key, plan in S.selection_plan(h, cfg, ids, seed).items():
-            self.calls[key] = [S.selections(cfg, plan, cfg["history"], miss, seed * 100 + j, dev)
+            self.calls[key] = [S.selections(cfg, plan, rows, miss, seed * 100 + j, dev)
                                for j in range(cfg["cycle"])]
 
 
@@ -183,11 +185,12 @@ def timed(dev, fn):
 
 
 def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
-    n, m, hist = cfg["batch"], cfg["burst"], cfg["history"]
-    h, ids, truth, max_rows = build(cfg, dev, resident, repopulate)
+    n, m = cfg["batch"], cfg["burst"]
+    h, ids, truth, max_rows, lens = build(cfg, dev, resident, repopulate)
+    rows = min(lens)
     sample = cfg["check_sessions"]
     base_pos = list(range(min(sample, n)))
-    base = Phase(h, cfg, ids[:n], miss, dev, seed=1)
+    base = Phase(h, cfg, ids[:n], miss, dev, seed=1, rows=rows)
     records, errors = [], []
     r, e = run_steps(h, cfg, base, truth, 0, cfg["steps"], dev, base_pos, "base")
     records += r
@@ -199,7 +202,7 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     for i in range(n, n + m):
         before = totals(h)
         ok, ms, syncs = timed(dev, lambda: h.admit(ids[i], max_rows,
-                                                   {s: truth[s][i, :hist] for s in S.SOURCES}))
+                                                   {s: truth[s][i, :lens[i]] for s in S.SOURCES}))
         if not ok:
             errors.append(f"burst: admission of {ids[i]} waited (pool too small for the burst)")
             break
@@ -210,7 +213,7 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
                                * cfg["row_bytes"]))
     burst_coverage = coverage(h)
     all_pos = base_pos + list(range(n, n + min(sample, len(admissions))))
-    everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2)
+    everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2, rows=rows)
     r, e = run_steps(h, cfg, everyone, truth, no, cfg["steps"], dev, all_pos, "burst")
     records += r
     errors += e
@@ -220,7 +223,7 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     for i in range(n, n + len(admissions)):
         _, ms, syncs = timed(dev, lambda: h.finish(ids[i]))
         finishes.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs))
-    drain = Phase(h, cfg, ids[:n], miss, dev, seed=3)
+    drain = Phase(h, cfg, ids[:n], miss, dev, seed=3, rows=rows)
     r, e = run_steps(h, cfg, drain, truth, no, cfg["drain_steps"], dev, base_pos, "drain",
                      stop_at=base_coverage)
     records += r

@@ -6,8 +6,10 @@
 Sources (paper 4.1): ``c4a`` selected by five layers with B = 8192 and three
 single-layer sources with B = 4096; k = 512 selections per layer; 584-byte rows
 stored as 576 + 8 byte planes (fp8_ds_mla).  Every session is admitted with
-``--history`` rows per source (optional residency keeps what the device pool has
-room for; the rest is on host) and then decodes: one row per source every
+``--history`` rows per source, less a per-session offset within a page
+(``--stagger``, default: tail pages complete and back up in different steps, as
+sessions of different lengths do); optional residency keeps what the device pool has
+room for, the rest is on host.  Then it decodes: one row per source every
 ``--compress`` steps (the model's compression rate; one ``append_batch`` per source, or
 with ``--append each`` one ``append`` per session), five resolve calls on ``c4a``
 and one on each other source, then ``step()`` (backups, repopulation).  Selections
@@ -53,8 +55,19 @@ SMOKE = dict(batches=(2, 4), top_k=8, row_bytes=12, segments=(8, 4), budgets=(16
 SOURCES = ("c4a", "src1", "src2", "src3")
 
 
+def history_lengths(cfg: dict, n: int) -> list[int]:
+    """Imported rows per session: ``history``, less an offset spread over a page when
+    ``stagger`` is on, so that sessions complete tail pages at different steps (as
+    sessions of different lengths do) instead of all in the same step."""
+    hist, ps = cfg["history"], cfg["page_size"]
+    if not cfg.get("stagger", True):
+        return [hist] * n
+    return [hist - (i * ps // n) % ps for i in range(n)]
+
+
 def build(cfg: dict, n: int, dev: torch.device, resident: float):
-    """The hierarchy and every session's imported history (kept as the truth)."""
+    """The hierarchy, every session's imported history (kept as the truth) and where
+    each session's appended rows start in it (``starts``: a list and a device tensor)."""
     ps, hist = cfg["page_size"], cfg["history"]
     max_rows = hist + cfg["steps"] + cfg["warmup"] + cfg["check_steps"] + ps
     specs = []
@@ -71,9 +84,10 @@ def build(cfg: dict, n: int, dev: torch.device, resident: float):
     truth = {s: torch.randint(0, 256, (n, max_rows, cfg["row_bytes"]), generator=g,
                               dtype=torch.uint8, device=dev) for s in SOURCES}
     ids = [f"s{i}" for i in range(n)]
+    lens = history_lengths(cfg, n)
     for i, rid in enumerate(ids):
-        assert h.admit(rid, max_rows, {s: truth[s][i, :hist] for s in SOURCES}), rid
-    return h, ids, truth
+        assert h.admit(rid, max_rows, {s: truth[s][i, :lens[i]] for s in SOURCES}), rid
+    return h, ids, truth, (lens, torch.tensor(lens, dtype=torch.int64, device=dev))
 
 
 def selection_plan(h, cfg: dict, ids: list, seed: int):
@@ -153,21 +167,26 @@ class SyncCounter:
 
 
 def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: float, dev,
-                check: bool, times: dict, graph=None, verify: bool = False) -> str | None:
+                check: bool, times: dict, graph=None, verify: bool = False,
+                starts=None) -> str | None:
     """One decode step; with ``graph`` (``capture_resolves``) the resolve calls are one
-    replay, and ``verify`` checks the replay's locations against the truth."""
+    replay, and ``verify`` checks the replay's locations against the truth.  Selections
+    draw from the first ``n_hist`` rows; appended rows come from the truth at
+    ``starts`` (``build``'s) plus the rows appended so far."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     if step_no % cfg["compress"] == 0:
-        pos = n_hist + step_no // cfg["compress"]
+        lens, lens_dev = starts
+        k = step_no // cfg["compress"]
         for s in SOURCES:
             if cfg["append"] == "batch":
-                failed = h.append_batch(s, ids, truth[s][:, pos])
+                rows = truth[s][torch.arange(len(ids), device=dev), lens_dev + k]
+                failed = h.append_batch(s, ids, rows)
                 if failed:
                     raise RuntimeError(f"append_batch to {s} failed for {failed}")
             else:
                 for i, rid in enumerate(ids):
-                    h.append(rid, s, truth[s][i, pos:pos + 1])
+                    h.append(rid, s, truth[s][i, lens[i] + k:lens[i] + k + 1])
     t1 = time.perf_counter()
     err = None
     if graph is not None:  # this step's selections into the captured inputs, one replay
@@ -228,7 +247,7 @@ def capture_resolves(h, cfg, ids, plans):
     return g, inputs, outputs, stacked, slots
 
 
-def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph) -> str:
+def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph, starts) -> str:
     """torch.profiler over a few more steps (after the timed ones, not counted in them):
     where the GPU time of a step goes, and how much of the step the GPU is busy."""
     from torch.autograd import DeviceType
@@ -240,7 +259,7 @@ def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for j in range(steps):
             decode_step(h, cfg, ids, truth, plans, first + j, n_hist, miss, dev, False, times,
-                        graph=graph)
+                        graph=graph, starts=starts)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
     busy = sum(e.self_device_time_total for e in prof.key_averages()
@@ -249,13 +268,14 @@ def _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph) -> str:
 
 
 def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
-    h, ids, truth = build(cfg, n, dev, resident)
+    h, ids, truth, starts = build(cfg, n, dev, resident)
     plans = selection_plan(h, cfg, ids, seed=n)
-    n_hist = cfg["history"]
+    n_hist = min(starts[0])  # rows every session has
     times = {"append": [], "resolve": [], "step": []}
     errors = []
     for step in range(cfg["check_steps"]):  # checked, not timed
-        err = decode_step(h, cfg, ids, truth, plans, step, n_hist, miss, dev, True, times)
+        err = decode_step(h, cfg, ids, truth, plans, step, n_hist, miss, dev, True, times,
+                          starts=starts)
         if err:
             errors.append(err)
     # the timed steps' selections, made before timing (generation is not the hierarchy's)
@@ -281,7 +301,8 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
         with SyncCounter() as sc:
             # a replayed step's locations are checked during warm-up (checked, then timed)
             err = decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times,
-                              graph=graph, verify=graph is not None and step < cfg["warmup"])
+                              graph=graph, verify=graph is not None and step < cfg["warmup"],
+                              starts=starts)
         t1 = time.perf_counter()
         if err:
             errors.append(err)
@@ -294,7 +315,7 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             torch.cuda.synchronize()
             gpu.append(e0.elapsed_time(e1) / 1e3)
     after = {s: h.source(s).resolver.totals() for s in SOURCES}
-    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph) \
+    profile = _profile(h, cfg, ids, truth, plans, n_hist, miss, dev, graph, starts) \
         if cfg.get("profile") and dev.type == "cuda" else None
     moved = {f: sum(getattr(after[s], f) - getattr(before[s], f) for s in SOURCES)
              for f in ("direct", "hot", "host", "fetched", "bytes_fetched")}
@@ -321,6 +342,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", help="active sessions per run")
     ap.add_argument("--miss", type=float, default=0.05, help="host misses, fraction of k")
     ap.add_argument("--history", type=int, help="rows of imported history per session and source")
+    ap.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
+                    help="session i imports history - (i * page_size // sessions) %% page_size "
+                         "rows, so tail pages complete (and back up) in different steps; "
+                         "--no-stagger: every session at --history, all completing together")
     ap.add_argument("--resident", type=float, default=0.7,
                     help="device room for this fraction of the imported history (optional pages)")
     ap.add_argument("--compress", type=int, default=4, help="decode steps per appended row")
@@ -339,6 +364,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
     cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append,
+               stagger=args.stagger,
                validate="step" if args.graph else args.validate, profile=args.profile,
                graph=args.graph)
     if args.batches:
