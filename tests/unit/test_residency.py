@@ -207,12 +207,12 @@ def admit_failing_victim(h, truth, req):
 
 def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
     """Reclaim copies device-only pages in runs of consecutive history pages (one host
-    copy each, at most BACKUP_RUN_PAGES long), gathering rows from scattered device
+    copy each, at most RUN_PAGES long), gathering rows from scattered device
     pages, and skips pages that already have a host copy."""
     from vllm_dhisparse.hierarchy.residency import ResidencyManager, _runs
     assert _runs([0, 1, 2, 4, 5, 9], 2) == [[0, 1], [2], [4, 5], [9]]
     assert _runs([], 4) == []
-    monkeypatch.setattr(ResidencyManager, "BACKUP_RUN_PAGES", 2)
+    monkeypatch.setattr(ResidencyManager, "RUN_PAGES", 2)
     h, truth = make(20)
     for i in range(5):  # pages 3i .. 3i+2 each
         assert admit(h, truth, f"x{i}", 0)
@@ -239,7 +239,7 @@ def test_reclaim_gathers_stay_alive_until_their_copy_ran(monkeypatch):
     on the copy stream; with the copy stream busy (earlier backups), a gathered buffer
     freed early would be handed to the next run's gather before the join read it."""
     from vllm_dhisparse.hierarchy.residency import ResidencyManager
-    monkeypatch.setattr(ResidencyManager, "BACKUP_RUN_PAGES", 2)
+    monkeypatch.setattr(ResidencyManager, "RUN_PAGES", 2)
     ps, n = 64, 200  # history pages
     spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
                 device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_rows=ps, tail_pages=1,

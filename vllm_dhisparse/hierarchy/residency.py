@@ -92,9 +92,10 @@ class AdmissionPlan:
 
 
 class ResidencyManager:
-    # pages per reclaim copy; with two copies in flight a reclaim gathers at most
-    # 2 x 1024 pages of rows (74 MiB at 64-row pages of 584 B)
-    BACKUP_RUN_PAGES = 1024
+    # pages per copy of many pages (reclaim backups, placing imported history): bounds
+    # the rows a copy gathers or stages (37 MiB at 64-row pages of 584 B; a reclaim
+    # keeps two copies in flight)
+    RUN_PAGES = 1024
 
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
                  tail_pages: int, reserve_pages: int = 0,
@@ -165,7 +166,7 @@ class ResidencyManager:
         unbacked = self._unbacked(rec)
         issued = []
         try:
-            for run in _runs(unbacked, self.BACKUP_RUN_PAGES):
+            for run in _runs(unbacked, self.RUN_PAGES):
                 src = self.pool.page_planes([rec.optional[p] for p in run])
                 issued.append(self.host.prepare_backup(req_id, run[0] * self.page_size, src))
                 if len(issued) > 1:  # two runs in flight at most: bounds the gathered rows
@@ -234,8 +235,11 @@ class ResidencyManager:
         # Keep the pages nearest the tail: recent history is the likeliest to be selected.
         first_kept = full - keep
         dev_pages = self.pool.allocate(keep)
-        if keep:  # one write of every kept page, one publish
-            self.pool.write(self.pool.page_rows(dev_pages), imported[first_kept * ps:full * ps])
+        if keep:  # a write per RUN_PAGES kept pages, one publish
+            for a in range(0, keep, self.RUN_PAGES):
+                chunk = dev_pages[a:a + self.RUN_PAGES]
+                first = (first_kept + a) * ps
+                self.pool.write(self.pool.page_rows(chunk), imported[first:first + len(chunk) * ps])
             kept = list(range(first_kept, full))
             rec.optional.update(zip(kept, dev_pages))
             self.source.publish_pages([self.source.slot(rec.req_id)] * keep, kept,
