@@ -45,12 +45,15 @@ class HierarchyMachine(RuleBasedStateMachine):
         return rows
 
     @initialize(policy=st.sampled_from(sorted(RECLAIM_POLICIES)), reserve=st.integers(0, 2),
-                optional=st.booleans(), eager=st.booleans(), repop=st.integers(1, 3))
-    def build(self, policy, reserve, optional, eager, repop):
+                optional=st.booleans(), eager=st.booleans(), repop=st.integers(1, 3),
+                run=st.integers(1, 3))
+    def build(self, policy, reserve, optional, eager, repop, run):
         self.h = KVHierarchy(SOURCES, reclaim_policy=policy, admission_reserve_pages=reserve,
                              optional_residency=optional, eager_backup=eager,
                              repopulate_pages_per_step=repop, device=self.device,
                              staging=STAGING)
+        for parts in self.h.sources.values():  # short runs: placement and reclaim copies split
+            parts.residency.RUN_PAGES = run
         self.truth: dict[str, dict[str, torch.Tensor]] = {}
         self.max_rows: dict[str, int] = {}
         self.next_id = 0
