@@ -52,8 +52,9 @@ class HierarchyMachine(RuleBasedStateMachine):
                              optional_residency=optional, eager_backup=eager,
                              repopulate_pages_per_step=repop, device=self.device,
                              staging=STAGING)
-        for parts in self.h.sources.values():  # short runs: placement and reclaim copies split
-            parts.residency.RUN_PAGES = run
+        for parts in self.h.sources.values():  # short runs: placement, reclaim and tail
+            parts.residency.RUN_PAGES = run    # backup copies split
+            parts.residency.tail.BATCH_PAGES = run
         self.truth: dict[str, dict[str, torch.Tensor]] = {}
         self.max_rows: dict[str, int] = {}
         self.next_id = 0

@@ -353,6 +353,28 @@ def test_tail_backup_then_release_and_full_tail_syncs():
         h.append("r0", "s", rows(40, 0))
 
 
+def test_tail_pages_of_one_step_back_up_in_one_pass():
+    """Pages that completed in one step, in several requests, are copied in one pass over
+    the copy stream (one transfer for all) and leave the tail together, exact."""
+    h, truth = make(30, tail_pages=2)
+    for r in ("r0", "r1", "r2"):
+        assert admit(h, truth, r, 3)  # page 0 optional, row 2 in tail page 1
+    append(h, truth, "r0", 1, seed=1)  # page 1 complete
+    append(h, truth, "r1", 3, seed=2)  # pages 1 and 2 complete (rows 2-5)
+    h.step()
+    issued = [p for r in ("r0", "r1") for _, p in rec(h, r).backups]
+    assert [p.first // PS for p in issued] == [1, 1, 2]
+    assert all(p.transfer is issued[0].transfer for p in issued)  # one pass, one event
+    assert rec(h, "r2").backups == []
+    check_invariants(h, truth)
+    h.step()
+    assert rec(h, "r0").tail == {} and rec(h, "r1").tail == {} and len(rec(h, "r2").tail) == 1
+    verify_backed_rows(h, "r0", [2, 3])
+    verify_backed_rows(h, "r1", [2, 3, 4, 5])
+    for r in ("r0", "r1", "r2"):
+        verify_resolves(h, truth, r)
+
+
 @pytest.mark.parametrize("how", ["finish", "preempt"])
 def test_release_returns_everything(how):
     h, truth = make(20, repopulate_pages_per_step=4)

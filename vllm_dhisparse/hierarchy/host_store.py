@@ -131,11 +131,31 @@ class HostStore:
                              f"[n, {self.row_bytes}] (or planes summing to it), got "
                              f"{[(p.dtype, tuple(p.shape)) for _, p in planes]}")
         dst = self.slice(req_id, first, n)
+        self.check_injected_fault(req_id)
+        return PendingBackup(req_id, first, n, self.copies.to_host(dst, planes))
+
+    def prepare_backups(self, items: list[tuple[str, int]], count: int,
+                        data: Planes) -> list[PendingBackup]:
+        """``prepare_backup`` of ``count`` rows for each ``(request, first row)`` of
+        ``items``: item i's rows are rows ``[i * count, (i + 1) * count)`` of the device
+        planes ``data``.  One pass over the copy stream, one event shared by the returned
+        backups.  The caller checked ``check_injected_fault`` per request."""
+        n = len(items) * count
+        if any(p.dtype != torch.uint8 or p.dim() != 2 or p.shape[0] != n for _, p in data) \
+                or sum(p.shape[1] for _, p in data) != self.row_bytes:
+            raise ValueError(f"host store {self.name!r}: backup data must be planes of "
+                             f"{n} uint8 rows summing to {self.row_bytes} bytes, got "
+                             f"{[(p.dtype, tuple(p.shape)) for _, p in data]}")
+        dsts = [self.slice(req_id, first, count) for req_id, first in items]
+        transfer = self.copies.to_host_rows(dsts, data)
+        return [PendingBackup(req_id, first, count, transfer) for req_id, first in items]
+
+    def check_injected_fault(self, req_id: str) -> None:
+        """Raises the injected failure of ``req_id``'s next backup (tests), once."""
         if req_id in self.fail_next_backup_of:
             self.fail_next_backup_of.discard(req_id)
             raise HostBackupError(f"host store {self.name!r}: backup of request {req_id!r} failed "
                                   f"(injected fault)", req_id=req_id)
-        return PendingBackup(req_id, first, n, self.copies.to_host(dst, planes))
 
     def backup_done(self, pending: PendingBackup) -> bool:
         """Whether the copy completed (polls; never waits)."""

@@ -139,10 +139,12 @@ class SourceState:
             self.page_table[host_index(slots, self.device), host_index(pages, self.device)] = \
                 host_index(device_rows, self.device).int()
 
-    def unpublish_pages(self, slot: int, pages: list[int]) -> None:
-        """:meth:`unpublish_page` for many pages of one slot: one write."""
+    def unpublish_pages(self, slot: int | list[int], pages: list[int]) -> None:
+        """:meth:`unpublish_page` for many pages of one slot (or one slot per page): one
+        write."""
         if pages:
-            self.page_table[slot, host_index(pages, self.device)] = -1
+            rows = slot if isinstance(slot, int) else host_index(slot, self.device)
+            self.page_table[rows, host_index(pages, self.device)] = -1
 
     def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
         """Lengths of many slots at once (callers check them): one write."""

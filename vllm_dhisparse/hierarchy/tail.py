@@ -10,12 +10,14 @@ Life of a tail page:
 1. ``append`` binds a free reserved page to history page ``pos // page_size``,
    writes the rows, publishes it, then raises ``seq_len`` (the resolver never
    reads at or past ``seq_len``, so the order keeps readers safe).
-2. Once a page is complete, ``start_backups`` (called by ``step()``) issues its
-   host copy (two-phase ``prepare_backup``, on the copy stream).  It stays
-   published meanwhile: its rows have no complete host copy yet.
+2. Once a page is complete, ``step()`` issues its host copy (two-phase
+   ``prepare_backups``, on the copy stream), together with every other request's
+   pages that completed: one gather and one event for all.  It stays published
+   meanwhile: its rows have no complete host copy yet.
 3. ``finish_backups`` (a later ``step()``) completes the copies that have
    finished (polled: one still in flight waits for the next step), unpublishes
-   each page and returns it to the request's free tail pages.  From then on
+   the pages (one write for all requests) and returns them to the requests' free
+   tail pages.  From then on
    those rows resolve through the hot cache / host (decoded rows follow
    hot-cache rules, paper 3.1).  The partial last page never leaves the tail.
 
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 
 
 class TailWriter:
+    BATCH_PAGES = 1024  # pages per backup pass of a step (37 MiB gathered at 584 B rows)
+
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore,
                  counters: "ResidencyCounters", requests: dict[str, "RequestPages"]):
         self.source = source
@@ -198,47 +202,84 @@ class TailWriter:
         """``step()``'s part for the tails: for each request in ``backing``, finished copies
         leave the tail and newly completed pages start theirs.  A failed backup is
         returned per request (request -> error); the others proceed."""
-        failed = {}
-        for rec in list(self.backing.values()):
-            try:
-                self.finish_backups(rec)  # backed tail pages leave the tail
-                self.start_backups(rec)  # newly completed tail pages start their copy
-            except HostBackupError as e:
-                failed[rec.req_id] = str(e)
-                continue
-            if not rec.backups:
+        recs = list(self.backing.values())
+        unpublished: tuple[list[int], list[int]] = ([], [])
+        for rec in recs:
+            self.finish_backups(rec, unpublished=unpublished)  # backed pages leave the tail
+        self.source.unpublish_pages(*unpublished)  # one write for every request's pages
+        errors: dict[str, Exception] = {}
+        self._start(recs, errors)  # newly completed pages of every request: one copy pass
+        for rec in recs:
+            if rec.req_id not in errors and not rec.backups:
                 del self.backing[rec.req_id]
-        return failed
+        return {rid: str(e) for rid, e in errors.items()}
 
     def forget(self, req_id: str) -> None:
         """The request was released."""
         self.backing.pop(req_id, None)
 
     def start_backups(self, rec: "RequestPages") -> int:
-        """Issues host copies of complete tail pages not already in flight."""
-        complete = self.source.seq_len(rec.req_id) // self.page_size
-        in_flight = {p for p, _ in rec.backups}
-        issued = 0
-        ps = self.page_size
-        for page, dev in sorted(rec.tail.items()):
-            if page < complete and page not in in_flight:
-                src = self.pool.plane_rows(self.pool.first_row(dev), ps)
-                rec.backups.append((page, self.host.prepare_backup(rec.req_id, page * ps, src)))
-                issued += 1
+        """Issues host copies of the request's complete tail pages not already in flight
+        (raises what its backup raised)."""
+        errors: dict[str, Exception] = {}
+        issued = self._start([rec], errors)
+        if errors:
+            raise errors[rec.req_id]
         return issued
 
-    def finish_backups(self, rec: "RequestPages", wait: bool = False) -> None:
+    def _start(self, recs: list["RequestPages"], errors: dict[str, Exception]) -> int:
+        """Host copies of the complete tail pages of ``recs`` not already in flight: one
+        gather of their device rows and one pass over the copy stream per
+        ``BATCH_PAGES`` pages.  A request whose backup fails is in ``errors`` and gets
+        no copy; the others are issued."""
+        ps = self.page_size
+        items, devs = [], []
+        for rec in recs:
+            complete = self.source.seq_len(rec.req_id) // ps
+            in_flight = {p for p, _ in rec.backups}
+            new = [(page, dev) for page, dev in sorted(rec.tail.items())
+                   if page < complete and page not in in_flight]
+            if not new:
+                continue
+            try:
+                self.host.check_injected_fault(rec.req_id)
+            except HostBackupError as e:
+                errors[rec.req_id] = e
+                continue
+            for page, dev in new:
+                items.append((rec, page))
+                devs.append(dev)
+        for a in range(0, len(items), self.BATCH_PAGES):
+            batch = items[a:a + self.BATCH_PAGES]
+            src = self.pool.page_planes(devs[a:a + self.BATCH_PAGES])
+            pending = self.host.prepare_backups([(rec.req_id, page * ps) for rec, page in batch],
+                                                ps, src)
+            for (rec, page), p in zip(batch, pending):
+                rec.backups.append((page, p))
+        return len(items)
+
+    def finish_backups(self, rec: "RequestPages", wait: bool = False,
+                       unpublished: tuple[list[int], list[int]] | None = None) -> None:
         """Completes the issued copies that have finished (all of them with ``wait``); each
-        backed page leaves the tail (unpublished, freed).  Copies complete in issue order."""
+        backed page leaves the tail (unpublished, freed).  Copies complete in issue order.
+        With ``unpublished`` (slots, pages) the caller unpublishes the pages, in one write
+        for many requests, before anything else touches the tables."""
+        slot = self.source.slot(rec.req_id)
+        done = []
         while rec.backups:
             page, pending = rec.backups[0]
             if not wait and not self.host.backup_done(pending):
                 break
             self.host.complete_backup(pending)  # rows are backed from here on
             rec.backups.pop(0)
-            self.source.unpublish_page(rec.req_id, page)
+            done.append(page)
             rec.tail_free.append(rec.tail.pop(page))
             self.counters.host_pages_written += 1
+        if unpublished is None:
+            self.source.unpublish_pages(slot, done)
+        else:
+            unpublished[0].extend([slot] * len(done))
+            unpublished[1].extend(done)
 
     def flush(self, rec: "RequestPages") -> None:
         """Synchronous path for a full tail: back up every complete page now."""

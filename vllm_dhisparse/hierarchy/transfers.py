@@ -55,21 +55,33 @@ class CopyStream:
     def to_host(self, dst: torch.Tensor, src: torch.Tensor | Planes) -> Transfer:
         """``dst`` ([n, W] contiguous host slice) <- rows ``src`` ([n, W] any device, or
         device planes ``[(first byte, [n, seg])]``)."""
-        planes = [(0, src)] if isinstance(src, torch.Tensor) else src
+        return self.to_host_rows([dst], [(0, src)] if isinstance(src, torch.Tensor) else src)
+
+    def to_host_rows(self, dsts: list[torch.Tensor], planes: Planes) -> Transfer:
+        """``dsts[i]`` ([n_i, W] contiguous host slices) <- the next n_i rows of ``planes``
+        (``[(first byte, [sum n_i, seg])]``, any device): one pass over the copy stream
+        and one event for all of them."""
         if self.stream is None or not planes[0][1].is_cuda:
-            for start, plane in planes:
-                dst[:, start:start + plane.shape[1]].copy_(plane)
+            a = 0
+            for dst in dsts:
+                n = dst.shape[0]
+                for start, plane in planes:
+                    dst[:, start:start + plane.shape[1]].copy_(plane[a:a + n])
+                a += n
             return Transfer()
         with self._begin():
             if len(planes) == 1 and planes[0][1].is_contiguous():
                 rows = planes[0][1]
             else:
                 rows = torch.cat([plane for _, plane in planes], dim=1)
-            dst.copy_(rows, non_blocking=True)
+            a = 0
+            for dst in dsts:
+                dst.copy_(rows[a:a + dst.shape[0]], non_blocking=True)
+                a += dst.shape[0]
             # the planes too: a gather made them on the compute stream, and only these
             # references stop the allocator from handing their memory out before the
             # copy stream has read them
-            return self._end(dst, rows, *(plane for _, plane in planes))
+            return self._end(rows, *dsts, *(plane for _, plane in planes))
 
     def to_device(self, dst: Planes, src: torch.Tensor) -> Transfer:
         """Device planes ``dst`` <- ``src`` ([n, W] contiguous host slice)."""
