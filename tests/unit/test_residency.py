@@ -375,6 +375,27 @@ def test_tail_pages_of_one_step_back_up_in_one_pass():
         verify_resolves(h, truth, r)
 
 
+def test_a_failed_tail_backup_does_not_hold_back_the_others():
+    """The request whose backup fails comes first in the step's pass; the requests after
+    it are still issued in that step."""
+    h, truth = make(30, tail_pages=2)
+    for r in ("bad", "r1", "r2"):
+        assert admit(h, truth, r, 3)
+    h.sources["s"].host.fail_next_backup_of.add("bad")
+    for i, r in enumerate(("bad", "r1", "r2")):
+        append(h, truth, r, 1, seed=10 + i)  # page 1 complete in each
+    h.step()
+    assert list(h.take_failures()) == ["bad"] and "bad" not in h.requests
+    for r in ("r1", "r2"):
+        assert [p.first for _, p in rec(h, r).backups] == [2], r
+    truth.pop("bad")
+    check_invariants(h, truth)
+    h.step()
+    for r in ("r1", "r2"):
+        verify_backed_rows(h, r, [2, 3])
+        verify_resolves(h, truth, r)
+
+
 @pytest.mark.parametrize("how", ["finish", "preempt"])
 def test_release_returns_everything(how):
     h, truth = make(20, repopulate_pages_per_step=4)
