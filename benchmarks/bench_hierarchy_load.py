@@ -108,21 +108,6 @@ def sync(dev):
         torch.cuda.synchronize()
 
 
-def check(h, phase: Phase, key, sel, loc, truth, positions) -> str | None:
-    source = key[0]
-    parts = h.source(source)
-    for i in positions:
-        rid = phase.ids[i]
-        valid = (sel[i] >= 0) & (sel[i] < parts.state.seq_len(rid))
-        if bool((loc[i][~valid] != -1).any()):
-            return f"{source}: session {rid} has a location for a padding or invalid selection"
-        got = parts.pool.read(loc[i][valid].long())
-        want = truth[source][i, sel[i][valid].long()]
-        if not torch.equal(got.to(want.device), want):
-            return f"{source}: session {rid} read wrong bytes ({int((got != want).any(-1).sum())} rows)"
-    return None
-
-
 def decode_step(h, cfg, phase: Phase, truth, step_no: int, dev, positions) -> str | None:
     """Appends (every ``compress`` steps, at each session's own length), the step's
     resolve calls, ``step()``; ``positions``: sessions whose locations are checked."""
@@ -140,7 +125,7 @@ def decode_step(h, cfg, phase: Phase, truth, step_no: int, dev, positions) -> st
         sel = calls[step_no % len(calls)]
         loc, _ = h.resolve(key[0], ids, sel, validate=False)
         if positions and err is None:
-            err = check(h, phase, key, sel, loc, truth, positions)
+            err = S.check_locations(h, key[0], ids, sel, loc, truth, positions)
     h.step()
     bad = {s: n for s, n in h.invalid_selections().items() if n}  # one host read per step
     return err or (f"invalid selections (resolved as padding): {bad}" if bad else None)

@@ -133,10 +133,12 @@ def selections(cfg, plan, n_rows: int, miss: float, step: int, dev) -> torch.Ten
 
 
 def check_locations(h, source: str, ids: list, sel: torch.Tensor, loc: torch.Tensor, truth,
-                    sample: int) -> str | None:
+                    positions) -> str | None:
+    """The bytes at the locations of the sessions at batch ``positions`` against the
+    truth (``truth[source][i]`` is the session at position i); None when all match."""
     parts = h.source(source)
     pool = parts.pool
-    for i in range(min(sample, len(ids))):
+    for i in positions:
         valid = (sel[i] >= 0) & (sel[i] < parts.state.seq_len(ids[i]))
         if bool((loc[i][~valid] != -1).any()):
             return f"{source}: session {ids[i]} has a location for a padding or invalid selection"
@@ -199,13 +201,14 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
         if verify:
             for i, (s, _) in enumerate(plans):
                 err = err or check_locations(h, s, ids, inputs[i], outputs[i], truth,
-                                             cfg["check_sessions"])
+                                             range(min(cfg["check_sessions"], len(ids))))
     for (s, layer), plan in plans.items() if graph is None else ():
         sel = selections(cfg, plan, n_hist, miss, step_no * 16 + layer, dev) if check else \
             plan[3][step_no % len(plan[3])]
         loc, _ = h.resolve(s, ids, sel, validate=cfg["validate"] == "call")
         if check and err is None:
-            err = check_locations(h, s, ids, sel, loc, truth, cfg["check_sessions"])
+            err = check_locations(h, s, ids, sel, loc, truth,
+                                  range(min(cfg["check_sessions"], len(ids))))
     t2 = time.perf_counter()
     h.step()
     if cfg["validate"] == "step":  # the bounds check of the whole step: one host read

@@ -175,8 +175,8 @@ class ResidencyManager:
             for pending in issued:
                 pending.transfer.wait()
             raise
-        for pending in issued[-1:]:
-            self.host.complete_backup(pending)
+        if issued:  # the runs before it were completed as the next one was issued
+            self.host.complete_backup(issued[-1])
         self.counters.host_pages_written += len(unbacked)
         self._settled.discard(req_id)  # its dropped pages are eligible again
         # 2. only now unpublish: later lookups go to hot cache / host, which has the rows

@@ -21,7 +21,7 @@ Tables, all on the pool's device:
 
 This class only owns the tables and their reset on open/close; which pages
 are ready is decided by the residency manager, which publishes and
-unpublishes pages through :meth:`publish_page` / :meth:`unpublish_page`.
+unpublishes pages through :meth:`publish_page` / :meth:`unpublish_pages`.
 """
 from __future__ import annotations
 
@@ -130,9 +130,6 @@ class SourceState:
         """Makes history page ``page`` resolvable directly.  Call only after its copy completed."""
         self.page_table[self.slot(req_id), page] = device_row
 
-    def unpublish_page(self, req_id: str, page: int) -> None:
-        self.page_table[self.slot(req_id), page] = -1
-
     def publish_pages(self, slots: list[int], pages: list[int], device_rows: list[int]) -> None:
         """:meth:`publish_page` for many (slot, page) at once: one write."""
         if slots:
@@ -140,7 +137,7 @@ class SourceState:
                 host_index(device_rows, self.device).int()
 
     def unpublish_pages(self, slot: int | list[int], pages: list[int]) -> None:
-        """:meth:`unpublish_page` for many pages of one slot (or one slot per page): one
+        """Makes ``pages`` of one slot (or one slot per page) unresolvable directly: one
         write."""
         if pages:
             rows = slot if isinstance(slot, int) else host_index(slot, self.device)
