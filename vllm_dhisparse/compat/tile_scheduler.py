@@ -10,12 +10,21 @@ CPU never plans FlashMLA tiles, so every key maps to ``None``, as in the base
 class's own non-CUDA branch (``sparse_swa.py:915-928``).
 """
 
-from vllm.models.deepseek_v4.cpu import cpu_mla
-from vllm.v1.attention.backends.mla import sparse_swa
+from .targets import expect, fail
 
-LAYER_TYPES = tuple(
-    value for name, value in vars(sparse_swa).items() if name.startswith("_LAYER_TYPE_")
-)
+BUILDER = "vllm.models.deepseek_v4.cpu.cpu_mla:DeepseekV4CPUSparseSWAMetadataBuilder"
+
+
+def layer_types() -> tuple:
+    """The ``_LAYER_TYPE_*`` keys ``DeepseekSparseSWAMetadataBuilder.build`` reads."""
+    sparse_swa = expect("vllm.v1.attention.backends.mla.sparse_swa:")
+    types = tuple(v for k, v in vars(sparse_swa).items() if k.startswith("_LAYER_TYPE_"))
+    if not types:
+        raise fail("vllm.v1.attention.backends.mla.sparse_swa", "defines no _LAYER_TYPE_* keys")
+    return types
+
+
+LAYER_TYPES: tuple = ()
 
 
 def build_tile_scheduler(self, num_decode_tokens: int) -> dict[str, None]:
@@ -23,6 +32,7 @@ def build_tile_scheduler(self, num_decode_tokens: int) -> dict[str, None]:
 
 
 def apply() -> None:
-    cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler = (
-        build_tile_scheduler
-    )
+    global LAYER_TYPES
+    expect(f"{BUILDER}.build_tile_scheduler", ("num_decode_tokens",))
+    LAYER_TYPES = layer_types()
+    expect(BUILDER).build_tile_scheduler = build_tile_scheduler

@@ -40,7 +40,9 @@ def check_vllm_sees_triton() -> None:
 
     importing = sys.modules.get("vllm.triton_utils.importing")
     if importing is not None and not importing.HAS_TRITON:
-        raise RuntimeError(
+        from .targets import fail
+        raise fail(
+            "vllm.triton_utils.importing:HAS_TRITON",
             "vllm.triton_utils was imported before the dhisparse CPU compat "
             "layer registered the Triton 'cpu' backend, so vLLM replaced "
             "Triton by placeholders. Install the start-up hook "
