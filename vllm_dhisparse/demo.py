@@ -50,9 +50,8 @@ def server_command(model: str, port: int, extra: dict | None, max_model_len: int
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port)]
     if extra is not None:
-        transfer = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": extra}
-        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        from vllm_dhisparse.engine_args import server_args as connector_args
+        cmd += connector_args(extra)
     return cmd + server_args(max_model_len)
 
 

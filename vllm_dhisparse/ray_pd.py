@@ -58,15 +58,14 @@ def llm_config(model: str, model_id: str, kv_role: str, role: RoleConfig,
 
     from vllm_dhisparse.config import DHiSparseConfig
     DHiSparseConfig.from_extra_config(role.connector)  # a typo fails here, not in a replica
-    kv = {"kv_connector": "DHiSparseConnector", "kv_role": kv_role,
-          "kv_connector_extra_config": dict(role.connector),
-          "kv_load_failure_policy": failure_policy}
+    from vllm_dhisparse.engine_args import engine_args
     deployment: dict[str, Any] = {"health_check_period_s": 5, "health_check_timeout_s": 30}
     if role.autoscaling:
         deployment["autoscaling_config"] = dict(role.autoscaling)
     else:
         deployment["num_replicas"] = role.replicas
-    kw = dict(engine_kwargs, kv_transfer_config=kv)
+    kw = dict(engine_kwargs, **engine_args(role.connector, kv_role,
+                                           kv_load_failure_policy=failure_policy))
     if role.gpus > 1:
         kw.setdefault("tensor_parallel_size", role.gpus)
     return LLMConfig(model_loading_config={"model_id": model_id, "model_source": model},

@@ -29,6 +29,16 @@ def demo_model(tmp_path_factory) -> str:
 # generous KV pool: the batch of the fault and device-window tests, which share its
 # resident run.
 SIX_2600 = ("--prompt-lens", *["2600"] * 6, "--max-tokens", "8", "--max-model-len", "4096")
+# The fault injector (tests/fault_injection.py): a subclass of the connector, selected the
+# way vLLM selects any out-of-tree connector (kv_connector_module_path); its faults come
+# from DHISPARSE_TEST_FAULTS in the engine's environment.
+FAULTY = ("--connector-class", "tests.fault_injection:FaultInjectingConnector")
+
+
+def faults(spec: str) -> dict:
+    return {"DHISPARSE_TEST_FAULTS": spec}
+
+
 # The engine core runs in the run's own process: on two cores vLLM's separate engine-core
 # process doubles a run's time (53 s against 24 s for four prompts of 600-7000 tokens).
 # The multiprocess path is the servers' (test_demo, test_metrics, the README P/D test).

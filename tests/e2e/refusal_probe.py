@@ -7,6 +7,7 @@ import sys
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm_dhisparse import engine_args
 from vllm_dhisparse.integration.connector import DHiSparseConnector
 
 
@@ -24,18 +25,18 @@ class OtherPlatform:
         return getattr(self._real, name)
 
 
-def engine_config(model: str, extra: dict):
+def engine_config(model: str, extra: dict, classes: bool = True):
+    kw = engine_args(extra)
+    if not classes:
+        del kw["scheduler_cls"], kw["worker_cls"]
     return EngineArgs(model=model, enforce_eager=True, block_size=256, max_model_len=4096,
-                      kv_transfer_config={"kv_connector": "DHiSparseConnector",
-                                          "kv_role": "kv_both",
-                                          "kv_connector_extra_config": extra}
-                      ).create_engine_config()
+                      **kw).create_engine_config()
 
 
-def refusal(model: str, extra: dict) -> str:
+def refusal(model: str, extra: dict, classes: bool = True) -> str:
     try:
-        DHiSparseConnector(engine_config(model, extra), KVConnectorRole.SCHEDULER)
-    except ValueError as e:
+        DHiSparseConnector(engine_config(model, extra, classes), KVConnectorRole.SCHEDULER)
+    except (ValueError, RuntimeError) as e:
         return str(e)
     return "accepted"
 
@@ -44,7 +45,8 @@ def main(model: str, model_without_indexer: str) -> None:
     out = {"nan": refusal(model, {"host_pool_gib": math.nan}),
            "inf": refusal(model, {"device_window_tokens": 512, "host_pool_gib": math.inf}),
            "no_indexer": refusal(model_without_indexer, {}),
-           "accepted": refusal(model, {})}
+           "accepted": refusal(model, {}),
+           "no_classes": refusal(model, {}, classes=False)}
     import vllm.platforms as platforms
     real = platforms.current_platform
     platforms._current_platform = OtherPlatform(real)

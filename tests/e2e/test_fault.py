@@ -1,13 +1,13 @@
 """A failure in one request's hierarchy work fails that request alone, with an error.
 
-Test hooks read from the environment of the vLLM process: ``DHISPARSE_TEST_FAIL_BACKUP_OF``
-makes the host store refuse the first backup of r1 (``eager_backup`` makes that backup
-happen at admission, right after r1's prefill, when vLLM may already free r1's c4a
-blocks behind the device window: r1 can no longer be served exactly);
-``DHISPARSE_TEST_FAIL`` raises in the worker's admission of r2, the first append of r3's
-committed rows and the first resolve of r4.  The worker half reports each in its
-``KVConnectorWorkerMetadata``; the scheduler hook (``integration/scheduler_hooks.py``)
-finishes it with ``FINISHED_ERROR`` (finish reason ``"error"``).  r0 and r5 must finish
+The engine runs the tests' fault injector (tests/fault_injection.py, a subclass of the
+connector): the host store refuses the first backup of r1 (``eager_backup`` makes that
+backup happen at admission, right after r1's prefill, when vLLM may already free r1's
+c4a blocks behind the device window: r1 can no longer be served exactly); the worker's
+admission of r2, the first append of r3's committed rows and the first resolve of r4
+raise.  The worker half reports each in its ``KVConnectorWorkerMetadata``; the
+connector's scheduler (``integration/scheduler.py``) finishes it with
+``FINISHED_ERROR`` (finish reason ``"error"``) and no token of that step.  r0 and r5 must finish
 with the tokens of resident serving (logprobs to bf16 rounding: without the failed
 requests the later batches differ from resident serving's), and the engine goes on.
 """
@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from .conftest import SIX_2600, run_offline
+from .conftest import FAULTY, SIX_2600, faults, run_offline
 
 pytestmark = pytest.mark.e2e
 
@@ -25,8 +25,7 @@ FAILED = {1: "backup", 2: "admit", 3: "append", 4: "resolve"}
 def test_one_failing_request_among_several(demo_model, resident_run):
     resident = resident_run(*SIX_2600)
     got = run_offline(demo_model, *SIX_2600, "--connector", json.dumps({"eager_backup": True}),
-                      env={"DHISPARSE_TEST_FAIL_BACKUP_OF": "r1",
-                           "DHISPARSE_TEST_FAIL": "admit:r2,append:r3,resolve:r4"})
+                      *FAULTY, env=faults("backup:r1,admit:r2,append:r3,resolve:r4"))
     for i, where in FAILED.items():
         assert got["outputs"][i]["finish_reason"] == "error", (where, got["outputs"][i])
     for i in (0, 5):

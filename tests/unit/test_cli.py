@@ -17,7 +17,9 @@ def test_serve_adds_the_connector_and_keeps_vllms_defaults(monkeypatch):
     args = served(monkeypatch, ["demo_model", "--port", "8001"])
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "DHiSparseConnector"
-    assert args[-6:-2] == ["--model", "demo_model", "--port", "8001"]
+    assert args[-10:-6] == ["--model", "demo_model", "--port", "8001"]
+    from vllm_dhisparse.engine_args import class_args
+    assert args[-4:] == class_args()
     assert not [a for a in args if "prefix-caching" in a or "chunked-prefill" in a]
 
 

@@ -166,7 +166,7 @@ def test_collector_reports_deltas(monkeypatch):
 
     class W:
         hierarchy = object()
-        resolve_times = [0.5]
+        served = type("Served", (), {"resolve_times": [0.5]})()
         verify_queries = [4, 1]
     state["c"]["selected_rows"], state["g"]["free_pages"] = 10, 7
     first = col.collect(W())

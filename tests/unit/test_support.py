@@ -34,10 +34,11 @@ def test_refusals_name_the_reason_and_the_way_out(cfg, platform, needle):
 
 
 def test_the_connector_checks_at_construction():
-    """The check runs in the connector's constructor, before any hook is installed."""
+    """The platform check runs first in the connector's constructor, in every process."""
     pytest.importorskip("vllm")
     import inspect
 
     from vllm_dhisparse.integration import connector
     src = inspect.getsource(connector.DHiSparseConnector.__init__)
-    assert src.index("check_supported(vllm_config)") < src.index("install()")
+    assert src.index("check_supported(vllm_config)") < src.index("require(vllm_config)") \
+        < src.index("if role ==")

@@ -1,9 +1,10 @@
 """WorkerSide on CPU without a model: two sparse sources in two KV cache groups, fed
-scripted step metadata and vLLM-like paged caches.
+scripted step metadata and vLLM-like paged caches; the routed layers' calls go through
+the step's context as the attention layer makes them.
 
 * the stats collector's resolver / admission counters are ``summary()``'s totals;
-* the hook's batch row -> request map (block of the newest token) is built once per
-  step and group, and follows the request's blocks from one step to the next;
+* the batch row -> request map (block of the newest token) is built once per step and
+  group, and follows the request's blocks from one step to the next;
 * requests with different numbers of verification queries share one resolve call.
 """
 from __future__ import annotations
@@ -15,10 +16,13 @@ pytest.importorskip("vllm", reason="WorkerSide logs through vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
 from vllm_dhisparse.integration import routing as R  # noqa: E402
+from vllm_dhisparse.integration import step_context  # noqa: E402
 from vllm_dhisparse.integration import worker_side as WS  # noqa: E402
 from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
 from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
-from vllm_dhisparse.integration.stats import SUMMARY_TOTALS, StatsCollector  # noqa: E402
+from vllm_dhisparse.integration.stats import METRICS, StatsCollector, read  # noqa: E402
+
+from tests.fault_injection import FaultyWorkerSide  # noqa: E402
 from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
 
 # 16 and 8 tokens per vLLM block
@@ -57,12 +61,13 @@ STEPS = [
 TOPK = [[[0, 3, 9, 10], [5, 9, 10, -1]], [[1, 3, 11, 12], [12, 0, 6, -1]]]
 
 
-def make_worker(max_spec_queries: int = 2) -> WS.WorkerSide:
+def make_worker(max_spec_queries: int = 2, faults: dict | None = None) -> WS.WorkerSide:
     cfg = DHiSparseConfig(hot_cache_rows=4, host_pool_gib=0.001, tail_pages=1,
                           optional_residency=False, device_window_tokens=0)
-    w = WS.WorkerSide(cfg, LAYERS, max_model_len=128, max_num_seqs=2,
-                      max_spec_queries=max_spec_queries,
-                      device=torch.device("cpu"))
+    kw = dict(max_model_len=128, max_num_seqs=2, max_spec_queries=max_spec_queries,
+              device=torch.device("cpu"))
+    w = FaultyWorkerSide(cfg, LAYERS, faults=faults, **kw) if faults else \
+        WS.WorkerSide(cfg, LAYERS, **kw)
     g = torch.Generator().manual_seed(0)
     w.register_kv_caches({
         layer.name: torch.randint(0, 256, (NUM_BLOCKS, layer.rows_per_block * layer.row_bytes),
@@ -77,9 +82,16 @@ def make_worker(max_spec_queries: int = 2) -> WS.WorkerSide:
 def plan_of(w: WS.WorkerSide, step: int, layer: SparseLayer, seq_lens=None, token_rows=None):
     """The hook's question for ``layer`` in ``step``: vLLM's block table, seq_lens, rows."""
     s = STEPS[step]
-    return w.routing_plan(layer, torch.tensor(s["tables"][layer.group], dtype=torch.int32),
-                          torch.tensor(seq_lens or s["seq_lens"], dtype=torch.int32),
-                          torch.tensor(token_rows or s["token_rows"]))
+    return ctx(w).plan(layer, torch.tensor(s["tables"][layer.group], dtype=torch.int32),
+                       torch.tensor(seq_lens or s["seq_lens"], dtype=torch.int32),
+                       torch.tensor(token_rows or s["token_rows"]))
+
+
+def ctx(w: WS.WorkerSide) -> step_context.StepContext:
+    """The context the routed layers read: bound by begin_step, the worker's own."""
+    bound = step_context.current()
+    assert bound is not None and bound is w.context
+    return bound
 
 
 def run_step(w: WS.WorkerSide, step: int, resolves: int = 2) -> None:
@@ -89,9 +101,10 @@ def run_step(w: WS.WorkerSide, step: int, resolves: int = 2) -> None:
         plan = plan_of(w, step, layer)
         assert plan.rows_req == ["a", None] and plan.req_ids == ["a"], (step, layer.name, plan)
         for _ in range(resolves):  # the second call hits the hot cache
-            with w.staging_arena(layer) as arena:
-                w.resolve_tokens(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32), arena)
+            with ctx(w).staging_arena(layer) as arena:
+                ctx(w).resolve(layer, plan, torch.tensor(TOPK[step], dtype=torch.int32), arena)
     w.end_step()
+    assert step_context.current() is None
 
 
 def verify_rows_to_requests(w: WS.WorkerSide, step: int, layer: SparseLayer) -> list[str | None]:
@@ -114,9 +127,9 @@ def test_collector_totals_equal_summary_totals():
     per_source = [w.hierarchy.source(layer.name).resolver.totals() for layer in LAYERS]
     for t in per_source:  # every counter is exercised in every source
         assert t.calls and t.direct and t.hot and t.host and t.fetched and t.verify_fetched, t
-    assert w.fresh_selections > 0
+    assert w.served.fresh_selections > 0
     expected = dict(
-        selected_rows_direct=w.fresh_selections + sum(t.direct for t in per_source),
+        selected_rows_direct=w.served.fresh_selections + sum(t.direct for t in per_source),
         selected_rows_hot=sum(t.hot for t in per_source),
         selected_rows_host=sum(t.host for t in per_source),
         rows_fetched=sum(t.fetched for t in per_source),
@@ -126,11 +139,13 @@ def test_collector_totals_equal_summary_totals():
         resolve_calls=sum(t.calls for t in per_source),
         state_repairs=sum(t.state_repairs for t in per_source),
         admissions=2, admissions_waited=0)  # "b" after its last prefill chunk
-    totals = w.summary()["totals"]
+    summary = w.summary()
     counters, gauges = StatsCollector.cumulative(w)
-    assert {k: counters[k] for k in SUMMARY_TOTALS} == expected
-    assert {k: totals[t] for k, t in SUMMARY_TOTALS.items()} == expected
-    assert counters["selected_rows"] == totals["selected"]  # counted apart, must agree
+    assert {k: counters[k] for k in expected} == expected
+    by_key = {m.key: m for m in METRICS}
+    assert {k: read(summary, by_key[k].path) for k in expected} == expected
+    t = summary["totals"]  # counted apart by the routed layers, must agree with the census
+    assert counters["selected_rows"] == t["selected"] == t["direct"] + t["hot"] + t["host"]
     assert gauges["admitted_requests"] == 2
 
 
@@ -147,8 +162,11 @@ def test_collector_reads_summary(monkeypatch):
     totals = summary()["totals"]
     monkeypatch.setattr(w, "summary", shifted)
     counters, _ = StatsCollector.cumulative(w)
-    assert {k: counters[k] for k in SUMMARY_TOTALS} == \
-        {k: totals[t] + 1000 for k, t in SUMMARY_TOTALS.items()}
+    from_totals = {m.key: m.path[1] for m in METRICS if m.kind == "counter"
+                   and m.path[0] == "totals"}
+    assert len(from_totals) >= 10
+    assert {k: counters[k] for k in from_totals} == \
+        {k: totals[t] + 1000 for k, t in from_totals.items()}
 
 
 # -- item: the newest-block map is cached per step -------------------------------------------
@@ -170,17 +188,16 @@ def test_newest_block_map_built_once_per_step_and_follows_new_blocks(monkeypatch
 
 # -- failure isolation and request identity ----------------------------------------------------
 @pytest.mark.parametrize("point", ["append", "resolve"])
-def test_a_failure_in_per_request_work_fails_that_request_alone(monkeypatch, point):
-    monkeypatch.setenv("DHISPARSE_TEST_FAIL", f"{point}:a")
-    w = make_worker()  # "a" admitted (admission is not a fault point here)
+def test_a_failure_in_per_request_work_fails_that_request_alone(point):
+    w = make_worker(faults={point: ("a",)})  # "a" admitted (admission is not a fault here)
     s = STEPS[0]
     w.begin_step(s["meta"])
     for layer in LAYERS:
         plan = plan_of(w, 0, layer)
         if point == "resolve" and plan.any_routed:  # later groups no longer route "a"
-            with w.staging_arena(layer) as arena:
-                locs = w.resolve_tokens(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32),
-                                        arena)
+            with ctx(w).staging_arena(layer) as arena:
+                locs = ctx(w).resolve(layer, plan, torch.tensor(TOPK[0], dtype=torch.int32),
+                                      arena)
             assert bool((locs == -1).all())  # the failed request reads no row
     w.end_step()
     assert w.take_failed() == {"a": f"RuntimeError: injected {point} failure"}
@@ -190,9 +207,8 @@ def test_a_failure_in_per_request_work_fails_that_request_alone(monkeypatch, poi
     assert w.requests["b"].admitted and w.summary()["totals"]["failed"] == 1
 
 
-def test_admission_failure_fails_that_request_alone(monkeypatch):
-    monkeypatch.setenv("DHISPARSE_TEST_FAIL", "admit:b")
-    w = make_worker()
+def test_admission_failure_fails_that_request_alone():
+    w = make_worker(faults={"admit": ("b",)})
     for step in range(len(STEPS)):
         run_step(w, step)
     assert set(w.take_failed()) == {"b"} and w.requests["a"].admitted
@@ -225,8 +241,8 @@ def test_a_failing_batched_resolve_is_attributed_to_its_request(monkeypatch):
     monkeypatch.setattr(w.hierarchy, "resolve", resolve)
     w.begin_step(STEPS[0]["meta"])
     plan = plan_of(w, 0, LAYERS[0])
-    with w.staging_arena(LAYERS[0]) as arena:
-        locs = w.resolve_tokens(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32), arena)
+    with ctx(w).staging_arena(LAYERS[0]) as arena:
+        locs = ctx(w).resolve(LAYERS[0], plan, torch.tensor(TOPK[0], dtype=torch.int32), arena)
     assert bool((locs == -1).all())
     assert w.take_failed() == {"a": "IndexError: bad selection"}
     assert "a" not in w.hierarchy.requests
@@ -270,14 +286,14 @@ def test_requests_with_different_query_counts_share_one_resolve():
     before = w.summary()["totals"]
     topk = torch.tensor(VARIABLE_TOPK, dtype=torch.int32)
     for layer in LAYERS:
-        plan = w.routing_plan(layer, torch.tensor(s["tables"][layer.group], dtype=torch.int32),
-                              torch.tensor(s["seq_lens"], dtype=torch.int32),
-                              torch.tensor(s["token_rows"]))
+        plan = ctx(w).plan(layer, torch.tensor(s["tables"][layer.group], dtype=torch.int32),
+                           torch.tensor(s["seq_lens"], dtype=torch.int32),
+                           torch.tensor(s["token_rows"]))
         assert plan.req_ids == ["a", "b"] and plan.num_queries == 3
         assert plan.tok_j.tolist() == [0, 1, 2, 0]
         pool = w.hierarchy.source(layer.name).pool
-        with w.staging_arena(layer) as arena:  # attention reads while the layer holds it
-            locs = w.resolve_tokens(layer, plan, topk, arena)
+        with ctx(w).staging_arena(layer) as arena:  # attention reads while the layer holds it
+            locs = ctx(w).resolve(layer, plan, topk, arena)
             for t, req in enumerate(["a", "a", "a", "b"]):
                 sel = topk[t][topk[t] >= 0]
                 got = pool.read(locs[t][topk[t] >= 0])
@@ -371,10 +387,10 @@ def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next
               torch.tensor([[20, 21, 22, 23, 24, 25, 30]], dtype=torch.int32)]
     topk = torch.tensor([[0, 12, 13, -1]] * 4, dtype=torch.int32)  # this step's rows 12, 13
     for layer in LAYERS:
-        plan = w.routing_plan(layer, tables[layer.group], torch.tensor([54], dtype=torch.int32),
-                              torch.tensor([0, 0, 0, 0]))
-        with w.staging_arena(layer) as arena:
-            locs = w.resolve_tokens(layer, plan, topk, arena)
+        plan = ctx(w).plan(layer, tables[layer.group], torch.tensor([54], dtype=torch.int32),
+                           torch.tensor([0, 0, 0, 0]))
+        with ctx(w).staging_arena(layer) as arena:
+            locs = ctx(w).resolve(layer, plan, topk, arena)
             arena_rows = set(arena.arenas.table[arena.index].flatten().tolist())
             assert set(locs[:, 1:3].flatten().tolist()) <= arena_rows  # read from the arena
     w.end_step()

@@ -8,7 +8,6 @@ can be switched off by a caller that already guarantees bounds.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +21,11 @@ from .devices import same_device
 from .source_state import SourceState
 
 BACKENDS = ("auto", "triton", "reference")
-BACKEND_ENV = "DHISPARSE_RESOLVER_BACKEND"
 
 
 def _pick_backend(requested: str, device: torch.device) -> str:
-    requested = os.environ.get(BACKEND_ENV, requested)
     if requested not in BACKENDS:
-        raise ValueError(f"resolver backend {requested!r} is not one of {BACKENDS} "
-                         f"(set via argument or ${BACKEND_ENV})")
+        raise ValueError(f"resolver backend {requested!r} is not one of {BACKENDS}")
     if requested != "auto":
         return requested
     if device.type == "cuda":

@@ -28,11 +28,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.spec import check_engine, ring_sizes
 
-from . import deepseek_v4, scheduler_hooks
 from .draft_ring import ring_block_size
+from .extension_points import require
 from .handoff_scheduler import HandoffScheduler
 from .metadata import DHiSparseHandshake, DHiSparseMetadata, DHiSparseWorkerMetadata
-from .model_probe import find_sparse_layers, require_sparse_indexer
+from .model_probe import find_sparse_layers, iter_sparse_modules, require_sparse_indexer
 from .pool_sizing import max_queries
 from .scheduler_side import SchedulerSide
 from .stats import DHiSparseConnectorStats, DHiSparsePromMetrics
@@ -52,6 +52,7 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P  # loaded tokens come from a prefill instance
+    worker_side_cls = WorkerSide
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig" = None):
@@ -59,6 +60,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.cfg = DHiSparseConfig.from_extra_config(extra)
         check_supported(vllm_config)  # refuse what would give wrong tokens, in every process
+        require(vllm_config)  # every extension point applied, our scheduler and worker
         top_k = require_sparse_indexer(vllm_config.model_config)
         self.cfg.hot_rows_for(top_k)  # B < k is a start-up error, in every process
         self.spec_sizes = check_engine(vllm_config, self.cfg.spec)  # None without DSpark/DFlash2
@@ -71,9 +73,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                                             vllm_config.kv_transfer_config.engine_id,
                                             kv_cache_config)
             self.scheduler_side = SchedulerSide(max_len, self.handoff)
-            scheduler_hooks.install()
         else:
-            deepseek_v4.install()
             self._kv_cache_config = kv_cache_config
             ring_block = ring_block_size(kv_cache_config)
             if self.spec_sizes is not None and ring_block:
@@ -84,9 +84,18 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from .model import is_routed
+        for name, module in iter_sparse_modules(self._vllm_config):
+            if not is_routed(module):
+                arch = self._vllm_config.model_config.architecture
+                raise RuntimeError(
+                    f"DHiSparseConnector: c4a layer {name!r} is vLLM's {type(module).__qualname__}, "
+                    f"not read through the hierarchy: architecture {arch!r} was not built by the "
+                    f"connector's model class (supported: DeepseekV4ForCausalLM)")
         layers = find_sparse_layers(self._vllm_config, self._kv_cache_config)
-        self.dhisparse_worker = WorkerSide(self.cfg, layers, *self._worker_args,
-                                           spec_sizes=self.spec_sizes, kv_role=self.kv_role)
+        self.dhisparse_worker = self.worker_side_cls(
+            self.cfg, layers, *self._worker_args, spec_sizes=self.spec_sizes,
+            kv_role=self.kv_role)
         self.dhisparse_worker.register_kv_caches(kv_caches, self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

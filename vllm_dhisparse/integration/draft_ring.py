@@ -49,9 +49,31 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
+from vllm_dhisparse.compat.targets import expect
 from vllm_dhisparse.hierarchy.sizing import draft_ring_rows
 
+from .kv_spec import MANAGERS, check_instance
+
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+
+def check() -> None:
+    """What the ring's spec and manager need from vLLM, checked at start-up."""
+    spec = "vllm.v1.kv_cache_interface:SlidingWindowSpec"
+    expect(f"{spec}.merge", ("specs",), exact=True)
+    expect(f"{spec}.max_admission_blocks_per_request",
+           ("max_in_flight_tokens", "max_model_len"), exact=True)
+    base = f"{MANAGERS}:SlidingWindowManager"
+    expect(f"{base}.get_num_blocks_to_allocate",
+           ("request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
+            "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap",
+            "prefill_end"), exact=True)
+    expect(f"{base}.allocate_new_blocks", ("request_id", "num_tokens", "num_tokens_main_model"),
+           exact=True)
+    expect(f"{base}._get_num_evictable_blocks", ("blocks",))
+    expect(f"{base}._has_partial_local_hit",
+           ("new_computed_blocks", "num_local_computed_tokens"))
+    expect(f"{base}._remove_blocks_in_range", ("request_id", "first_block"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +106,8 @@ class DraftRingSpec(SlidingWindowSpec):
 class DraftRingManager(SlidingWindowManager):
     def __init__(self, kv_cache_spec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
+        check_instance(self, ("num_cached_block", "_null_block", "enable_caching",
+                              "sliding_window"))
         specs = getattr(kv_cache_spec, "kv_cache_specs", None)  # a uniform-type wrapper
         specs = list(specs.values()) if specs else [kv_cache_spec]
         self.k_max = max(s.k_max for s in specs)
@@ -154,13 +178,6 @@ def ring_block_size(kv_cache_config) -> int | None:
     return None
 
 
-def register_spec() -> None:
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(DraftRingSpec, DraftRingManager,
-                                 uniform_type_base_spec=DraftRingSpec)
-
-
 def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int,
                bounds_prefill: bool = True) -> dict:
     """``specs`` with every draft layer's spec turned into a :class:`DraftRingSpec` of the
@@ -183,39 +200,25 @@ def ring_specs(specs: dict, draft_layers: list[str], window: int, k_max: int,
     return out
 
 
-def install() -> bool:
-    """Wraps Model Runner V2's ``get_kv_cache_spec``: with DHiSparseConnector and a
-    DSpark / DFlash2 drafter, the drafter's layers report the draft ring."""
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    except ImportError:
-        return False
-    from .support import wrap_method
-    register_spec()
-    wrap_method(GPUModelRunner, "get_kv_cache_spec", _ring_spec)
-    return True
-
-
-def _ring_spec(original):
-    def get_kv_cache_spec(self):
-        specs = original(self)
-        sizes = _draft_sizes(self.vllm_config)
-        model = getattr(getattr(self, "speculator", None), "model", None)
-        if sizes is None or model is None:
-            return specs
-        names = getattr(model, "get_draft_kv_cache_layer_names", None)
-        if names is None:
-            raise ValueError(f"the {sizes['preset']} drafter {type(model).__name__} does not name "
-                             f"its KV layers (get_draft_kv_cache_layer_names); the draft ring "
-                             f"cannot bound it")
-        out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"],
-                         sizes["draft_ring_bounds_prefill"])  # checks W
-        logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d, %s",
-                    len(names()), sizes["draft_window"], sizes["k_max"],
-                    "bounded in prefill" if sizes["draft_ring_bounds_prefill"] else
-                    "prefill blocks kept for the prefix cache")
-        return out
-    return get_kv_cache_spec
+def with_draft_ring(vllm_config, model_runner, specs: dict) -> dict:
+    """``specs`` (the worker's KV cache specs) with a DSpark / DFlash2 drafter's layers
+    turned into :class:`DraftRingSpec`; unchanged without such a drafter."""
+    sizes = _draft_sizes(vllm_config)
+    model = getattr(getattr(model_runner, "speculator", None), "model", None)
+    if sizes is None or model is None:
+        return specs
+    names = getattr(model, "get_draft_kv_cache_layer_names", None)
+    if names is None:
+        raise ValueError(f"the {sizes['preset']} drafter {type(model).__name__} does not name "
+                         f"its KV layers (get_draft_kv_cache_layer_names); the draft ring "
+                         f"cannot bound it")
+    out = ring_specs(specs, list(names()), sizes["draft_window"], sizes["k_max"],
+                     sizes["draft_ring_bounds_prefill"])  # checks W
+    logger.info("DHiSparse draft ring: %d drafter layers, window %d, K_max %d, %s",
+                len(names()), sizes["draft_window"], sizes["k_max"],
+                "bounded in prefill" if sizes["draft_ring_bounds_prefill"] else
+                "prefill blocks kept for the prefix cache")
+    return out
 
 
 def _draft_sizes(vllm_config) -> dict | None:

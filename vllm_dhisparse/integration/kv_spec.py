@@ -46,7 +46,31 @@ from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+from vllm_dhisparse.compat.targets import expect, fail
+
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+MANAGERS = "vllm.v1.core.single_type_kv_cache_manager"
+
+
+def check() -> None:
+    """What the spec and its manager need from vLLM, checked at start-up (the manager
+    subclasses vLLM's and uses its block bookkeeping)."""
+    expect("vllm.v1.kv_cache_interface:MLAAttentionSpec.merge", ("specs",), exact=True)
+    expect("vllm.v1.kv_cache_interface:MLAAttentionSpec.dcp_sharded")
+    base = f"{MANAGERS}:FullAttentionManager"
+    expect(f"{base}.remove_skipped_blocks",
+           ("request_id", "processed_computed_tokens", "num_prompt_tokens"), exact=True)
+    expect(f"{base}.pop_blocks_for_free", ("request_id",), exact=True)
+    expect(f"{base}._remove_blocks_in_range", ("request_id", "first_block"))
+
+
+def check_instance(manager, more: tuple[str, ...] = ()) -> None:
+    """The block bookkeeping a manager of vLLM's keeps per instance."""
+    for name in ("req_to_blocks", "block_size", *more):
+        if not hasattr(manager, name):
+            raise fail(f"{type(manager).__mro__[1].__qualname__}.{name}",
+                       "the KV cache manager no longer keeps it")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +106,7 @@ class DHiSparseWindowManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
+        check_instance(self)
         self.device_window_tokens = _window_of(kv_cache_spec)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
@@ -100,13 +125,18 @@ class DHiSparseWindowManager(FullAttentionManager):
         return super().pop_blocks_for_free(request_id)
 
 
-def register_spec() -> None:
-    """Registers the spec + manager (built-ins first: the registry fills itself
-    only while empty).  Idempotent; runs in every process through the plugin."""
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(DHiSparseCompressedSpec, DHiSparseWindowManager,
-                                 uniform_type_base_spec=DHiSparseCompressedSpec)
+def windowed(spec, vllm_config):
+    """The KV cache spec of a c4a layer served through the hierarchy: with a device
+    window configured, :class:`DHiSparseCompressedSpec` (same fields) instead of vLLM's
+    ``MLAAttentionSpec``."""
+    if spec is None or type(spec) is not MLAAttentionSpec:
+        return spec
+    window = _window_from_config(vllm_config)
+    if window <= 0:
+        return spec
+    fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+    fields.update(device_window_tokens=window, dcp_sharded=False)
+    return DHiSparseCompressedSpec(**fields)
 
 
 def _window_from_config(vllm_config) -> int:
@@ -114,31 +144,3 @@ def _window_from_config(vllm_config) -> int:
     from .support import connector_config
     cfg = connector_config(vllm_config)
     return 0 if cfg is None else cfg.device_window_tokens
-
-
-def install() -> bool:
-    """Wraps the DeepSeek-V4 attention layer's ``get_kv_cache_spec``: with the
-    connector configured and a window set, c4a layers return the windowed spec."""
-    try:
-        from vllm.models.deepseek_v4.attention import DeepseekV4Attention
-    except ImportError:
-        return False
-    from .support import wrap_method
-    register_spec()
-    wrap_method(DeepseekV4Attention, "get_kv_cache_spec", _windowed_spec)
-    return True
-
-
-def _windowed_spec(original):
-    def get_kv_cache_spec(self, vllm_config):
-        spec = original(self, vllm_config)
-        if spec is None or getattr(self, "compress_ratio", None) != 4 \
-                or type(spec) is not MLAAttentionSpec:
-            return spec
-        window = _window_from_config(vllm_config)
-        if window <= 0:
-            return spec
-        fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        fields.update(device_window_tokens=window, dcp_sharded=False)
-        return DHiSparseCompressedSpec(**fields)
-    return get_kv_cache_spec

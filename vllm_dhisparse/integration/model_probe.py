@@ -39,14 +39,19 @@ def require_sparse_indexer(model_config) -> int:
     return int(top_k)
 
 
+def is_sparse_layer(module) -> bool:
+    """A c4a attention layer: compress ratio 4 with a top-k indexer."""
+    return getattr(module, "compress_ratio", None) == 4 \
+        and getattr(module, "topk_indices_buffer", None) is not None
+
+
 def iter_sparse_modules(vllm_config):
     """``(name, module)`` of the loaded model's c4a attention layers (compress ratio 4
     with a top-k indexer); raises ``ValueError`` if there are none or their cache is not
     ``fp8_ds_mla``."""
     found = []
     for name, module in vllm_config.compilation_config.static_forward_context.items():
-        if getattr(module, "compress_ratio", None) != 4 \
-                or getattr(module, "topk_indices_buffer", None) is None:
+        if not is_sparse_layer(module):
             continue
         if getattr(module, "kv_cache_dtype", None) != "fp8_ds_mla":
             raise ValueError(f"layer {name!r}: DHiSparse supports kv_cache_dtype 'fp8_ds_mla' for "

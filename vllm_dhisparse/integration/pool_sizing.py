@@ -16,8 +16,8 @@ rows one step computes per request (eq. 11; hierarchy/staging_arena.py).
 
 The device pools are counted **inside** the KV memory the operator gives vLLM
 (``--kv-cache-memory-bytes``, or the share from ``--gpu-memory-utilization``):
-the plugin wraps the worker's ``determine_available_memory`` so vLLM's own
-blocks get what is left (:func:`install_budget`).  The same
+the connector's worker (worker.py) takes them off in ``determine_available_memory``,
+so vLLM's own blocks get what is left (:func:`take_budget`).  The same
 :func:`plan_sources` sizes the pools there (before vLLM's KV cache config
 exists) and in ``register_kv_caches``, so the two agree.
 """
@@ -31,12 +31,10 @@ from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.hierarchy.sizing import staging_bytes
 from vllm_dhisparse.hierarchy.specs import SourceSpec, StagingSpec, device_bytes
 
-from .support import connector_config
-
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 GIB = 2**30
-# What install_budget took off vLLM's KV budget in this process (None: not wrapped);
+# What take_budget took off vLLM's KV budget in this process (None: not wrapped);
 # register_kv_caches must allocate exactly that.
 BUDGETED_BYTES: int | None = None
 
@@ -157,38 +155,21 @@ def budget_plans(vllm_config) -> list[SourcePlan]:
                         vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
 
 
-def install_budget() -> None:
-    """Wraps the worker's ``determine_available_memory``: with the connector configured,
-    vLLM's KV blocks get the budget minus the hierarchy's device pools."""
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker
-    except ImportError:
-        return
-    if getattr(CPUWorker.determine_available_memory, "_dhisparse", False):
-        return
-    original = CPUWorker.determine_available_memory
-
-    def determine_available_memory(self) -> int:
-        available = original(self)
-        if connector_config(self.vllm_config) is None:
-            return available
-        global BUDGETED_BYTES
-        cfg = DHiSparseConfig.from_extra_config(
-            self.vllm_config.kv_transfer_config.kv_connector_extra_config)
-        plans = budget_plans(self.vllm_config)
-        pools = device_pool_bytes(plans, plan_staging(cfg, plans))
-        BUDGETED_BYTES = pools
-        if pools >= available:
-            raise ValueError(
-                f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "
-                f"the {available / GIB:.3f} GiB KV budget, leaving nothing for vLLM's blocks; "
-                f"raise --kv-cache-memory-bytes (or --gpu-memory-utilization), or lower "
-                f"max_num_seqs / kv_connector_extra_config['device_pool_pages'] / "
-                f"kv_connector_extra_config['staging_arenas']")
-        logger.info("DHiSparse: %.3f GiB of the %.3f GiB KV budget go to the hierarchy's "
-                    "device pools, %.3f GiB to vLLM's blocks", pools / GIB, available / GIB,
-                    (available - pools) / GIB)
-        return available - pools
-
-    determine_available_memory._dhisparse = True
-    CPUWorker.determine_available_memory = determine_available_memory
+def take_budget(vllm_config, cfg: DHiSparseConfig, available: int) -> int:
+    """vLLM's KV budget minus the hierarchy's device pools (the worker's
+    ``determine_available_memory``); remembers what it took for ``check_budgeted``."""
+    global BUDGETED_BYTES
+    plans = budget_plans(vllm_config)
+    pools = device_pool_bytes(plans, plan_staging(cfg, plans))
+    BUDGETED_BYTES = pools
+    if pools >= available:
+        raise ValueError(
+            f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "
+            f"the {available / GIB:.3f} GiB KV budget, leaving nothing for vLLM's blocks; "
+            f"raise --kv-cache-memory-bytes (or --gpu-memory-utilization), or lower "
+            f"max_num_seqs / kv_connector_extra_config['device_pool_pages'] / "
+            f"kv_connector_extra_config['staging_arenas']")
+    logger.info("DHiSparse: %.3f GiB of the %.3f GiB KV budget go to the hierarchy's "
+                "device pools, %.3f GiB to vLLM's blocks", pools / GIB, available / GIB,
+                (available - pools) / GIB)
+    return available - pools

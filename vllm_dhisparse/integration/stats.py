@@ -19,10 +19,17 @@ direct: they are tail rows) and ``host_to_device_bytes = rows_fetched x row
 bytes`` (distinct rows copied, not selections).  Coverage is
 ``ready_optional_rows / eligible_history_rows``, computed in PromQL.
 
+One table, :data:`METRICS`, declares every metric: its kind, its help text and where
+its value is read in the worker's summary (``summarize``, also what ``stats_file``
+holds): ``("totals", key)``, ``("sources", "*", key)`` summed over sources,
+``("staging", key)``, ``("handoff", key)``, ``("spec", key)``.  Histograms take the
+samples the worker collected since the last collection (``take_samples``).  Adding a
+metric for a value the summary has is one line.
+
 Resolver call time: ``time.perf_counter`` around ``KVHierarchy.resolve`` in
-``WorkerSide.resolve_tokens``.  On CUDA that would time kernel launches, not
-work, unless synchronized; it is recorded only on CPU devices or when
-``DHISPARSE_TIME_RESOLVE=1`` is set (which adds a ``torch.cuda.synchronize``).
+``StepContext.resolve``.  On CUDA that would time kernel launches, not work, unless
+synchronized: it is recorded with ``resolve_timing`` ``on`` (which adds a
+``torch.cuda.synchronize``), or ``auto`` on CPU.
 """
 from __future__ import annotations
 
@@ -45,8 +52,6 @@ if TYPE_CHECKING:
 
     from .worker_side import WorkerSide
 
-TIME_RESOLVE_ENV = "DHISPARSE_TIME_RESOLVE"
-INTERVAL_ENV = "DHISPARSE_STATS_INTERVAL_S"
 MAX_TIME_SAMPLES = 4096  # per collection; the worker is drained every step
 
 
@@ -56,111 +61,134 @@ class MetricDef:
     name: str  # Prometheus name (counters are exposed with a ``_total`` suffix)
     kind: str  # "counter" | "gauge" | "histogram"
     doc: str
+    path: tuple[str, ...] = ()  # where summarize() holds the value ("*": sum over sources)
     buckets: tuple[float, ...] = ()  # histograms only
 
 
-def _c(key, doc):
-    return MetricDef(key, f"vllm:dhisparse_{key}", "counter", doc)
+def _c(key, doc, *path):
+    return MetricDef(key, f"vllm:dhisparse_{key}", "counter", doc, path or ("totals", key))
 
 
-def _g(key, doc):
-    return MetricDef(key, f"vllm:dhisparse_{key}", "gauge", doc)
+def _g(key, doc, *path):
+    return MetricDef(key, f"vllm:dhisparse_{key}", "gauge", doc, path or ("totals", key))
+
+
+def _src(key):
+    return ("sources", "*", key)
+
+
+def _h(key, doc, buckets):
+    return MetricDef(key, f"vllm:dhisparse_{key}", "histogram", doc, (), tuple(buckets))
 
 
 METRICS: tuple[MetricDef, ...] = (
     # -- resolver census (counters, deltas per interval) --
     _c("selected_rows", "Top-k row selections read through the hierarchy (all paths; "
-                        "= direct + hot + host)."),
+                        "= direct + hot + host).", "totals", "selected"),
     _c("selected_rows_direct", "Selections resolved directly on device: tail rows, rows of this "
-                               "step, optional history pages."),
-    _c("selected_rows_hot", "Selections resolved through the per-request hot cache."),
-    _c("selected_rows_host", "Selections whose row was fetched from host memory."),
+                               "step, optional history pages.", "totals", "direct"),
+    _c("selected_rows_hot", "Selections resolved through the per-request hot cache.",
+       "totals", "hot"),
+    _c("selected_rows_host", "Selections whose row was fetched from host memory.",
+       "totals", "host"),
     _c("rows_fetched", "Distinct rows copied host->device (a row selected by several verify "
-                       "queries of one step is fetched once)."),
+                       "queries of one step is fetched once).", "totals", "fetched"),
     _c("host_to_device_bytes", "Bytes copied host->device by the resolver (= rows_fetched x row "
-                               "bytes)."),
+                               "bytes).", "totals", "bytes_fetched"),
     _c("verify_host_selections", "Host-path selections in multi-query (verification) resolves."),
     _c("verify_rows_fetched", "Distinct rows fetched in multi-query (verification) resolves; "
-                              "verify_host_selections / verify_rows_fetched = shared retrieval."),
+                              "verify_host_selections / verify_rows_fetched = shared retrieval.",
+       "totals", "verify_fetched"),
     _c("resolve_calls", "Resolver calls (one per sparse layer per step with admitted requests)."),
     _c("state_repairs", "Out-of-range resolver table entries degraded to empty (rows re-fetched "
                         "from host); 0 unless a table was corrupted."),
     # -- residency events (counters) --
     _c("reclaim_events", "Admissions that reclaimed the optional history of at least one "
-                         "request (eq. 4)."),
-    _c("requests_reclaimed", "Requests whose optional history was reclaimed."),
-    _c("pages_reclaimed", "Optional / pending device pages returned to the pool by reclaim."),
-    _c("pages_repopulated", "Optional-history pages copied back to device and published."),
-    _c("host_pages_written", "Pages written to the host backing store (backups)."),
+                         "request (eq. 4).", *_src("reclaim_events")),
+    _c("requests_reclaimed", "Requests whose optional history was reclaimed.",
+       *_src("requests_reclaimed")),
+    _c("pages_reclaimed", "Optional / pending device pages returned to the pool by reclaim.",
+       *_src("pages_reclaimed")),
+    _c("pages_repopulated", "Optional-history pages copied back to device and published.",
+       *_src("pages_repopulated")),
+    _c("host_pages_written", "Pages written to the host backing store (backups).",
+       *_src("host_pages_written")),
     _c("host_backups_deferred", "Imported pages kept on device without a host copy (backup "
-                                "deferred until reclaim)."),
+                                "deferred until reclaim).", *_src("host_backups_deferred")),
     _c("admissions", "Requests admitted into the hierarchy."),
     _c("admissions_waited", "Admission attempts that had to wait for device memory (or a slot)."),
     # -- state (gauges, latest values) --
-    _g("admitted_requests", "Requests admitted into the hierarchy (allocated request slots)."),
+    _g("admitted_requests", "Requests admitted into the hierarchy (allocated request slots).",
+       "totals", "admitted"),
     _g("eligible_history_rows", "Rows of complete imported-history pages that optional "
-                                "residency may keep on device (coverage denominator)."),
+                                "residency may keep on device (coverage denominator).",
+       *_src("eligible_history_rows")),
     _g("ready_optional_rows", "Optional-history rows ready (published) on device (coverage "
-                              "numerator)."),
-    _g("optional_pages", "Optional-history device pages held (ready)."),
-    _g("pending_pages", "Device pages being repopulated (copy in flight, not yet published)."),
-    _g("required_pages", "Required device pages held (hot cache, tail)."),
-    _g("reserve_pages", "Admission reserve M_res (pages kept free for admissions)."),
-    _g("free_pages", "Free device pages of the hierarchy's pools."),
-    _g("device_pages", "Device pages of the hierarchy's pools (M)."),
-    _g("host_bytes_used", "Host backing store bytes reserved by admitted requests."),
-    _g("host_bytes_total", "Host backing store capacity, bytes."),
+                              "numerator).", *_src("ready_optional_rows")),
+    _g("optional_pages", "Optional-history device pages held (ready).", *_src("optional_pages")),
+    _g("pending_pages", "Device pages being repopulated (copy in flight, not yet published).",
+       *_src("pending_pages")),
+    _g("required_pages", "Required device pages held (hot cache, tail).", *_src("required_pages")),
+    _g("reserve_pages", "Admission reserve M_res (pages kept free for admissions).",
+       *_src("reserve_pages")),
+    _g("free_pages", "Free device pages of the hierarchy's pools.", *_src("free_pages")),
+    _g("device_pages", "Device pages of the hierarchy's pools (M).", *_src("device_pages")),
+    _g("host_bytes_used", "Host backing store bytes reserved by admitted requests.",
+       *_src("host_bytes_used")),
+    _g("host_bytes_total", "Host backing store capacity, bytes.", *_src("host_bytes_total")),
     _g("staging_bytes", "Peak staging-arena bytes handed to layers at once in the last step "
                         "(verification misses beyond the hot cache, rows of the step); "
-                        "at most M_stage."),
+                        "at most M_stage.", "staging", "staging_bytes"),
     _g("staging_arena_bytes", "Device bytes of the staging_arenas (chi arenas shared by the "
-                              "sparse layers, allocated once)."),
+                              "sparse layers, allocated once).", "staging", "arena_bytes"),
     _c("arena_reuses", "Staging-arena takes by a layer after another layer of the same step "
-                       "staged in that arena (layers reuse chi arenas)."),
+                       "staged in that arena (layers reuse chi arenas).", "staging", "arena_reuses"),
     # -- speculative decoding (acceptance itself: vLLM's vllm:spec_decode_* counters) --
     _g("draft_ring_rows", "R_d (eq. 9): draft-KV rows a request holds at most in decode, "
                           "and in prefill without prefix caching; 0 without a DSpark / "
-                          "DFlash2 drafter."),
+                          "DFlash2 drafter.", "spec", "draft_ring_rows"),
     _g("staging_bound_bytes", "M_stage (eq. 11): chi x N x K_max x k x d_KV; "
-                              "0 without a DSpark / DFlash2 drafter."),
-    MetricDef("verify_queries", "vllm:dhisparse_verify_queries", "histogram",
-              "K_r: queries of one admitted request in one decode step (anchor + drafts; 1 "
-              "without speculation).", buckets=(1, 2, 3, 4, 5, 6, 7, 8)),
+                              "0 without a DSpark / DFlash2 drafter.", "spec", "staging_bound_bytes"),
+    _h("verify_queries", "K_r: queries of one admitted request in one decode step (anchor + "
+                         "drafts; 1 without speculation).", (1, 2, 3, 4, 5, 6, 7, 8)),
     # -- prefill/decode handoff (kv_producer / kv_consumer; zero on kv_both) --
-    _c("handoffs_sent", "P/D producer: captured handoffs pulled by a decode instance."),
+    _c("handoffs_sent", "P/D producer: captured handoffs pulled by a decode instance.",
+       "handoff", "sent"),
     _c("handoffs_expired", "P/D producer: handoffs freed because no decode instance pulled "
-                           "them within handoff_lease_s."),
-    _c("handoff_bytes_sent", "P/D producer: bytes of the handoffs pulled."),
-    _c("handoffs_received", "P/D consumer: handoffs loaded and admitted into the hierarchy."),
-    _c("handoffs_failed", "P/D consumer: loads that failed (kv_load_failure_policy applies)."),
-    _c("handoff_bytes_received", "P/D consumer: bytes of the handoffs loaded."),
-    _g("handoff_buffers_held", "P/D producer: captured handoffs waiting to be pulled."),
-    MetricDef("handoff_seconds", "vllm:dhisparse_handoff_seconds", "histogram",
-              "P/D consumer: one load, pull to blocks written (on the load thread).",
-              buckets=(1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
+                           "them within handoff_lease_s.", "handoff", "expired"),
+    _c("handoff_bytes_sent", "P/D producer: bytes of the handoffs pulled.", "handoff", "bytes_sent"),
+    _c("handoffs_received", "P/D consumer: handoffs loaded and admitted into the hierarchy.",
+       "handoff", "received"),
+    _c("handoffs_failed", "P/D consumer: loads that failed (kv_load_failure_policy applies).",
+       "handoff", "failed"),
+    _c("handoff_bytes_received", "P/D consumer: bytes of the handoffs loaded.",
+       "handoff", "bytes_received"),
+    _g("handoff_buffers_held", "P/D producer: captured handoffs waiting to be pulled.",
+       "handoff", "held"),
+    _h("handoff_seconds", "P/D consumer: one load, pull to blocks written (on the load thread).",
+       (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
     # -- resolver latency --
-    MetricDef("resolve_seconds", "vllm:dhisparse_resolve_seconds", "histogram",
-              "Wall time of one KVHierarchy.resolve call (recorded on CPU, or with "
-              f"{TIME_RESOLVE_ENV}=1).", buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3,
-                                                  5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)),
+    _h("resolve_seconds", "Wall time of one KVHierarchy.resolve call (recorded with "
+                          "resolve_timing on, or auto on CPU).",
+       (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+        1.0)),
 )
-# counter key -> key of ``WorkerSide.summary()["totals"]`` it reports
-SUMMARY_TOTALS = {
-    "selected_rows_direct": "direct", "selected_rows_hot": "hot", "selected_rows_host": "host",
-    "rows_fetched": "fetched", "host_to_device_bytes": "bytes_fetched",
-    "verify_host_selections": "verify_host_selections", "verify_rows_fetched": "verify_fetched",
-    "resolve_calls": "resolve_calls", "state_repairs": "state_repairs", "admissions": "admissions",
-    "admissions_waited": "admissions_waited",
-}
-# counter key -> key of ``WorkerSide.summary()["handoff"]``
-HANDOFF_TOTALS = {
-    "handoffs_sent": "sent", "handoffs_expired": "expired", "handoff_bytes_sent": "bytes_sent",
-    "handoffs_received": "received", "handoffs_failed": "failed",
-    "handoff_bytes_received": "bytes_received",
-}
 COUNTERS = tuple(m for m in METRICS if m.kind == "counter")
 GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
 HISTOGRAMS = tuple(m for m in METRICS if m.kind == "histogram")
+
+
+def read(summary: dict, path: tuple[str, ...]) -> int | float:
+    """The value at ``path`` of ``summarize()``'s dict; ``"*"`` sums over the entries of
+    that level (the sources); a part the summary lacks (no handoff role) reads 0."""
+    node = summary
+    for i, part in enumerate(path):
+        if part == "*":
+            return sum(read(v, path[i + 1:]) for v in node.values())
+        if not isinstance(node, dict) or part not in node:
+            return 0
+        node = node[part]
+    return node
 
 
 def exposed_names(m: MetricDef) -> tuple[str, ...]:
@@ -223,9 +251,9 @@ class StatsCollector:
     """Turns the worker's cumulative counters into deltas since the previous ``collect``.
 
     Reading the resolver's device-side counters forces a host sync, so on CUDA
-    collections are spaced by ``min_interval_s`` (default 1 s; env
-    ``DHISPARSE_STATS_INTERVAL_S``); in between ``collect`` answers None and the
-    deltas simply land in the next collection.  On CPU every step collects.
+    collections are spaced by ``min_interval_s`` (``stats_interval_s``: default 1 s on
+    CUDA, 0 on CPU); in between ``collect`` answers None and the deltas simply land in
+    the next collection.
     """
 
     def __init__(self, min_interval_s: float | None = None):
@@ -235,51 +263,17 @@ class StatsCollector:
 
     @staticmethod
     def cumulative(worker: "WorkerSide") -> tuple[dict[str, int], dict[str, int]]:
-        """``(counters, gauges)`` now, summed over sources.  Resolver and admission
-        counters are ``WorkerSide.summary()``'s totals (one place sums them)."""
-        h = worker.hierarchy
+        """``(counters, gauges)`` now: every metric of the table read from the worker's
+        summary (one place sums over sources)."""
         summary = worker.summary()
-        totals = summary["totals"]
-        counters = dict.fromkeys((m.key for m in COUNTERS), 0)
-        gauges = dict.fromkeys((m.key for m in GAUGES), 0)
-        counters["selected_rows"] = worker.selected_rows
-        for key, total in SUMMARY_TOTALS.items():
-            counters[key] = totals[total]
-        for name, src in summary["sources"].items():
-            for key in ("reclaim_events", "requests_reclaimed", "pages_reclaimed",
-                        "pages_repopulated", "host_pages_written", "host_backups_deferred"):
-                counters[key] += src[key]
-            gauges["eligible_history_rows"] += src["eligible_history_rows"]
-            gauges["ready_optional_rows"] += src["ready_optional_rows"]
-            gauges["optional_pages"] += src["optional_pages"]
-            gauges["pending_pages"] += src["pending_pages"]
-            gauges["required_pages"] += src["required_pages"]
-            gauges["reserve_pages"] += src["reserve_pages"]
-            gauges["free_pages"] += src["free_pages"]
-            gauges["device_pages"] += src["device_pages"]
-            gauges["host_bytes_used"] += src["host_bytes_used"]
-            gauges["host_bytes_total"] += src["host_bytes_total"]
-        staging = summary["staging"]
-        gauges["staging_bytes"] = staging["staging_bytes"]
-        gauges["staging_arena_bytes"] = staging["arena_bytes"]
-        counters["arena_reuses"] = staging["arena_reuses"]
-        gauges["admitted_requests"] = len(h.requests)
-        pd = getattr(worker, "handoff", None)  # kv_producer / kv_consumer only
-        handoff = pd.summary() if pd is not None else {}
-        for key, total in HANDOFF_TOTALS.items():
-            counters[key] = handoff.get(total, 0)
-        gauges["handoff_buffers_held"] = handoff.get("held", 0)
-        spec = worker.spec_sizes or {}
-        gauges["draft_ring_rows"] = spec.get("draft_ring_rows", 0)
-        gauges["staging_bound_bytes"] = spec.get("staging_bound_bytes", 0)
-        return counters, gauges
+        return ({m.key: read(summary, m.path) for m in COUNTERS},
+                {m.key: read(summary, m.path) for m in GAUGES})
 
     def collect(self, worker: "WorkerSide") -> DHiSparseConnectorStats | None:
         if worker.hierarchy is None:
             return None
         if self.min_interval_s is None:
-            default = "0" if worker.device.type == "cpu" else "1"
-            self.min_interval_s = float(os.environ.get(INTERVAL_ENV, default))
+            self.min_interval_s = 0.0 if worker.device.type == "cpu" else 1.0
         now = time.monotonic()
         if now - self._last_time < self.min_interval_s:
             return None
@@ -288,14 +282,8 @@ class StatsCollector:
         deltas = {k: v - self._last.get(k, 0) for k, v in counters.items()}
         assert all(d >= 0 for d in deltas.values()), f"counters went backwards: {deltas}"
         self._last = counters
-        pd = getattr(worker, "handoff", None)
-        loads = pd.counters.seconds if pd is not None else []
-        samples = {"resolve_seconds": worker.resolve_times[-MAX_TIME_SAMPLES:],
-                   "verify_queries": worker.verify_queries[-MAX_TIME_SAMPLES:],
-                   "handoff_seconds": loads[-MAX_TIME_SAMPLES:]}
-        worker.resolve_times.clear()
-        worker.verify_queries.clear()
-        loads.clear()
+        samples = take_samples(worker)
+        assert set(samples) == {m.key for m in HISTOGRAMS}, sorted(samples)
         return DHiSparseConnectorStats(data={
             "counters": {k: d for k, d in deltas.items() if d},
             "gauges": gauges,
@@ -303,23 +291,37 @@ class StatsCollector:
         })
 
 
+def take_samples(worker: "WorkerSide") -> dict[str, list]:
+    """Each histogram's samples since the last call (the worker's lists are drained)."""
+    pd = getattr(worker, "handoff", None)
+    lists = {"resolve_seconds": worker.served.resolve_times,
+             "verify_queries": worker.verify_queries,
+             "handoff_seconds": pd.counters.seconds if pd is not None else []}
+    out = {k: v[-MAX_TIME_SAMPLES:] for k, v in lists.items()}
+    for v in lists.values():
+        v.clear()
+    return out
+
+
 def summarize(worker: "WorkerSide") -> dict:
-    """The worker's totals, summed over sources (this step's rows count as direct: they
-    are tail rows), and the hierarchy's per-source state: what ``stats_file`` holds and
-    what the Prometheus counters are deltas of."""
+    """The worker's totals, summed over sources, and the hierarchy's per-source state:
+    what ``stats_file`` holds and what the metrics read.  ``selected`` is counted by the
+    routed layers apart from the resolver's census (``direct + hot + host``, this
+    step's rows counting as direct: they are tail rows); the two must agree."""
     st = worker.hierarchy.stats()
-    tot = dict(selected=0, direct=worker.fresh_selections, hot=0, host=0, fetched=0,
-               bytes_fetched=0, verify_host_selections=0, verify_fetched=0, resolve_calls=0,
-               state_repairs=0)
+    served = worker.served
+    tot = dict(selected=served.selected_rows, direct=served.fresh_selections, hot=0, host=0,
+               fetched=0, bytes_fetched=0, verify_host_selections=0, verify_fetched=0,
+               resolve_calls=0, state_repairs=0)
     for src in st["sources"].values():
         r = src["resolver"]
         for key in ("direct", "hot", "host", "fetched", "bytes_fetched",
                     "verify_host_selections", "verify_fetched", "state_repairs"):
             tot[key] += r[key]
         tot["resolve_calls"] += r["calls"]
-    tot["selected"] = tot["direct"] + tot["hot"] + tot["host"]
     tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
-               finished=st["finished"], preempted=st["preempted"], failed=worker.failed_total,
+               finished=st["finished"], preempted=st["preempted"],
+               failed=worker.failures.total if worker.failures is not None else 0,
                step=st["step"], admitted=st["admitted"],
                device_pool_bytes=worker.device_pool_bytes,
                host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
@@ -345,13 +347,6 @@ def write_json_atomic(path: str, data: dict) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def time_resolve_enabled(device_type: str) -> bool:
-    flag = os.environ.get(TIME_RESOLVE_ENV)
-    if flag is not None:
-        return flag not in ("", "0", "false", "False")
-    return device_type == "cpu"
 
 
 # -- front-end: Prometheus metrics ----------------------------------------------------------

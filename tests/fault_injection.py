@@ -1,0 +1,123 @@
+"""Fault injection for the worker half, on the test side only (the package has no hooks).
+
+A fault is ``POINT:PREFIX``: requests whose id starts with PREFIX fail at POINT.
+
+* ``admit``: the request's admission into the hierarchy raises;
+* ``append``: committing the request's rows raises;
+* ``resolve``: the request's share of a layer's resolve raises;
+* ``backup``: the request's first host backup fails (``HostBackupError``);
+* ``corrupt`` (no prefix): one resolved location of every layer call points at another
+  selected row, so outputs must differ from resident serving (the tests can fail).
+
+Unit tests build :class:`FaultyWorkerSide` with their faults.  E2E runs select
+:class:`FaultInjectingConnector` (``offline_run --connector-class
+tests.fault_injection:FaultInjectingConnector``) and pass the faults in
+``DHISPARSE_TEST_FAULTS`` (comma-separated, read in the engine's process).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from vllm_dhisparse.hierarchy.host_store import HostBackupError
+from vllm_dhisparse.integration.admission import Admissions
+from vllm_dhisparse.integration.connector import DHiSparseConnector
+from vllm_dhisparse.integration.step_context import StepContext
+from vllm_dhisparse.integration.worker_side import WorkerSide
+
+POINTS = ("admit", "append", "resolve", "backup", "corrupt")
+ENV = "DHISPARSE_TEST_FAULTS"
+
+
+def parse(value: str) -> dict[str, tuple[str, ...]]:
+    """``"admit:r2,backup:r1,corrupt"`` -> {point: request id prefixes}."""
+    out: dict[str, tuple[str, ...]] = {}
+    for item in filter(None, (v.strip() for v in value.split(","))):
+        point, _, prefix = item.partition(":")
+        if point not in POINTS or (point != "corrupt" and not prefix):
+            raise ValueError(f"fault {item!r}: expected POINT:PREFIX, POINT one of {POINTS}")
+        out[point] = out.get(point, ()) + (prefix,)
+    return out
+
+
+def _hit(faults: dict, point: str, req_id: str) -> bool:
+    return any(req_id.startswith(p) for p in faults.get(point, ()))
+
+
+def _raise(point: str) -> None:
+    raise RuntimeError(f"injected {point} failure")
+
+
+class FaultyAdmissions(Admissions):
+    def __init__(self, *args, faults: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+
+    def admit(self, req):
+        if _hit(self.faults, "admit", req.req_id):
+            _raise("admit")
+        if _hit(self.faults, "backup", req.req_id):
+            for name in self.layers:
+                fail_first_backup(self.hierarchy.source(name).host, req.req_id)
+        return super().admit(req)
+
+    def commit(self, req):
+        if _hit(self.faults, "append", req.req_id):
+            _raise("append")
+        return super().commit(req)
+
+
+class FaultyContext(StepContext):
+    def __init__(self, *args, faults: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+
+    def fresh_selections(self, req, *args):
+        if _hit(self.faults, "resolve", req.req_id):
+            _raise("resolve")
+        return super().fresh_selections(req, *args)
+
+    def resolve(self, *args, **kwargs):
+        locs = super().resolve(*args, **kwargs)
+        if "corrupt" in self.faults:
+            corrupt_one(locs)
+        return locs
+
+
+def fail_first_backup(host, req_id: str) -> None:
+    """``host`` refuses the next backup of ``req_id``'s rows, once."""
+    host.fail_next_backup_of.add(req_id)
+
+
+def corrupt_one(locs: torch.Tensor) -> None:
+    """Points one selection at another selected row."""
+    flat = locs.view(-1)
+    valid = (flat >= 0).nonzero().flatten()
+    if valid.numel() >= 2:
+        a, b = int(valid[0]), int(valid[1])
+        if int(flat[a]) != int(flat[b]):
+            flat[a] = flat[b]
+
+
+class FaultyWorkerSide(WorkerSide):
+    """A worker half whose admission, commits and resolves fail where ``faults`` say."""
+
+    def __init__(self, *args, faults: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        faults = dict(faults or {})
+        self.admissions_cls = functools.partial(FaultyAdmissions, faults=faults)
+        self.context_cls = functools.partial(FaultyContext, faults=faults)
+
+
+class FaultInjectingConnector(DHiSparseConnector):
+    """DHiSparseConnector whose worker half injects the faults of ``DHISPARSE_TEST_FAULTS``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.worker_side_cls = functools.partial(FaultyWorkerSide,
+                                                 faults=parse(os.environ.get(ENV, "")))
+
+
+__all__ = ["FaultInjectingConnector", "FaultyWorkerSide", "HostBackupError", "parse"]

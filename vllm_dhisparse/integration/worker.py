@@ -1,0 +1,57 @@
+"""The worker the connector runs with: vLLM's, plus the hierarchy's share of the KV budget
+and the draft ring's KV specs.
+
+Selected with vLLM's ``worker_cls``; the base is the platform's worker (``CPUWorker`` on
+CPU, ``Worker`` on CUDA).  Without DHiSparseConnector configured it behaves as its base.
+
+* ``determine_available_memory``: the hierarchy's device pools and staging arenas are
+  counted inside the KV memory the operator gives vLLM (``--kv-cache-memory-bytes`` or
+  the share from ``--gpu-memory-utilization``); vLLM's own blocks get the rest
+  (pool_sizing.py sizes both, from the loaded model).
+* ``get_kv_cache_spec``: a DSpark / DFlash2 drafter's layers report the window-bounded
+  draft ring (draft_ring.py).  The c4a layers' windowed spec comes from their routed
+  attention class (model.py), which owns that cache.
+"""
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from vllm_dhisparse.compat.targets import expect
+
+from . import draft_ring, pool_sizing
+from .support import connector_config
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
+
+BASE = ("vllm.v1.worker.cpu_worker:CPUWorker" if current_platform.is_cpu()
+        else "vllm.v1.worker.gpu_worker:Worker")
+QUALNAME = f"{__name__}.DHiSparseWorker"
+
+
+def check() -> None:
+    """What this module needs from vLLM, checked at start-up."""
+    expect(f"{BASE}.determine_available_memory", (), exact=True)
+    expect(f"{BASE}.get_kv_cache_spec", (), exact=True)
+
+
+_Base = expect(BASE)
+
+
+class DHiSparseWorker(_Base):
+    def determine_available_memory(self) -> int:
+        available = super().determine_available_memory()
+        cfg = connector_config(self.vllm_config)
+        if cfg is None:
+            return available
+        return pool_sizing.take_budget(self.vllm_config, cfg, available)
+
+    def get_kv_cache_spec(self):
+        specs = super().get_kv_cache_spec()
+        if connector_config(self.vllm_config) is None:
+            return specs
+        return draft_ring.with_draft_ring(self.vllm_config, self.model_runner, specs)
+
+
+def is_ours(worker_cls) -> bool:
+    return isinstance(worker_cls, type) and issubclass(worker_cls, DHiSparseWorker)
