@@ -1,9 +1,12 @@
 """Eager DeepSeek-V4 attention/indexer/compressor ops vs float64 references.
 
 The ops live in ``vllm_dhisparse/compat/eager_v4/{attention_ops,indexer_ops}.py``;
-references here are written straight from each op's documented math.
+references here are written straight from each op's documented math.  Where the
+loaded vLLM library has the ops (x86: the AVX-512 + BF16 build), the registry test
+compares vLLM's kernels with ours; elsewhere it checks that ours serve them.
 """
 import math
+import platform
 
 import pytest
 
@@ -62,19 +65,54 @@ def fp8_tile_tol(ref_tiles):
 
 
 # ----------------------------------------------------------------- registry
-def test_registered_under_torch_ops_C():
+def vllm_provides_v4_ops():
+    """Loads vLLM's platform library first, as ``apply_cpu_compat`` does (ours must
+    not define an op it defines), then ours; whether that library has the ops."""
+    pytest.importorskip("vllm._custom_ops")
     from vllm_dhisparse.compat.eager_v4 import register_missing_ops
-    register_missing_ops()
+
+    ours = set(register_missing_ops())
+    from_vllm = set(MY_OPS) - ours
+    assert from_vllm in (set(), set(MY_OPS)), sorted(from_vllm)
+    if platform.machine() in ("x86_64", "AMD64"):
+        # platforms/cpu.py:639-642: only this build (_C) has the DeepSeek-V4 ops.
+        assert bool(from_vllm) == (torch.cpu._is_avx512_supported()
+                                   and torch.cpu._is_avx512_bf16_supported())
+    return bool(from_vllm)
+
+
+def test_registered_under_torch_ops_C():
+    from_vllm = vllm_provides_v4_ops()
     for name in MY_OPS:
         assert hasattr(torch.ops._C, name), name
     names = {s.split("(", 1)[0] for s, _ in A.OPS}
     assert names == set(MY_OPS)
-    # one call through the dispatcher
-    o = torch.randn(3, 2, 512, dtype=torch.bfloat16)
+    # calls through the dispatcher: vLLM's kernel (close to ours) or ours (identical)
+    g = gen(13)
+    o = torch.randn(3, 2, 512, generator=g).to(torch.bfloat16)
     pos = torch.tensor([0, 5, 9])
     cs = cos_sin_cache(16, 64)
     out = torch.ops._C.inverse_gptj_rope_o_proj_cpu(o, pos, cs, 64)
+    eager = A.inverse_gptj_rope_o_proj_cpu(o, pos, cs, 64)
     assert out.dtype == torch.float32 and out.shape == o.shape
+    t, h, wbs, cbs = 6, 4, 8, 2
+    wc, cc = build_ds_mla_cache(4, wbs, 10), build_ds_mla_cache(6, cbs, 11)
+    q = (torch.randn(t, h, 512, generator=g) * 0.2).to(torch.bfloat16)
+    ws = torch.randint(0, 4 * wbs, (t, 5), generator=g)
+    ws[0, 1:] = -1
+    ws[3, 4] = ws[3, 0]
+    csl = torch.randint(0, 6 * cbs, (t, 3), generator=g)
+    csl[1] = -1
+    sink = torch.randn(h, generator=g)
+    attn = torch.empty(t, h, 512, dtype=torch.bfloat16)
+    eager_attn = torch.empty_like(attn)
+    torch.ops._C.flash_mla_with_kvcache_cpu(attn, q, wc, ws, wbs, cc, csl, cbs, sink, 0.04)
+    A.flash_mla_with_kvcache_cpu(eager_attn, q, wc, ws, wbs, cc, csl, cbs, sink, 0.04)
+    if from_vllm:
+        torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attn.float(), eager_attn.float(), atol=3e-2, rtol=1e-2)
+    else:
+        assert torch.equal(out, eager) and torch.equal(attn, eager_attn)
 
 
 # ------------------------------------------------ SWA insert / ds_mla layout

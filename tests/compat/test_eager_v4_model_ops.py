@@ -1,8 +1,10 @@
 """Eager DeepSeek-V4 model-level ops (vllm_dhisparse/compat/eager_v4/model_ops.py)
 against float64 references written here from the ops' documented math, plus
-registration under torch.ops._C."""
+registration under torch.ops._C: vLLM's kernels where the loaded library has them
+(x86: the AVX-512 + BF16 build), compared with ours; ours everywhere else."""
 
 import math
+import platform
 
 import pytest
 
@@ -306,12 +308,21 @@ def _register_or_skip():
 
 
 def test_registered_under_torch_ops_C():
-    _register_or_skip()
-    for schema, fn in mo.OPS:
-        name = schema.split("(", 1)[0]
-        op = getattr(torch.ops._C, name)
-        assert callable(op), name
-    # ops are dispatched to whatever is registered; on AVX2 that is ours
+    ours = set(_register_or_skip())
+    names = {schema.split("(", 1)[0] for schema, _ in mo.OPS}
+    for name in names:
+        assert callable(getattr(torch.ops._C, name)), name
+    from_vllm = not (names & ours)
+    assert from_vllm or names <= ours, sorted(names - ours)
+    if platform.machine() in ("x86_64", "AMD64"):
+        # platforms/cpu.py:639-642: only this build (_C) has the DeepSeek-V4 ops.
+        assert from_vllm == (torch.cpu._is_avx512_supported()
+                             and torch.cpu._is_avx512_bf16_supported())
+
+    def same(actual, eager, atol):
+        # through the dispatcher: vLLM's kernel is close to ours, ours is ours
+        _close(actual, eager, atol=atol if from_vllm else 0)
+
     g = _gen(15)
     w = torch.randn(2, 32, 64, generator=g).to(torch.bfloat16)
     packed = torch.ops._C.convert_weight_packed(w)
@@ -320,14 +331,22 @@ def test_registered_under_torch_ops_C():
     torch.ops._C.bmm_cpu(out, mat1, packed, True, None)
     ref = torch.einsum("bmk,bnk->bmn", mat1.to(F64), w.to(F64))
     _close(out, ref, atol=0.1, rtol=1e-2)
+    eager = torch.empty_like(out)
+    mo.bmm_cpu(eager, mat1, mo.convert_weight_packed(w), True, None)
+    same(out, eager, atol=0.05)
     logits = torch.randn(3, 64, generator=g)
-    w8, ids = torch.ops._C.biased_topk_cpu(
-        logits, logits, torch.zeros(64), 6, True, "sqrtsoftplus", 0, 1.5, True
-    )
+    args = (logits, logits, torch.zeros(64), 6, True, "sqrtsoftplus", 0, 1.5, True)
+    w8, ids = torch.ops._C.biased_topk_cpu(*args)
     assert ids.dtype == torch.int32 and math.isclose(float(w8[0].sum()), 1.5, rel_tol=1e-5)
+    ew8, eids = mo.biased_topk_cpu(*args)
+    assert torch.equal(ids, eids)
+    same(w8, ew8, atol=1e-6)
     x, fn, scale, base = _hc_inputs(16, t=2)
-    y, post, comb = torch.ops._C.hc_pre_fused_cpu(x, fn, scale, base, 4, 3, 1e-6, 1e-6)
+    got = torch.ops._C.hc_pre_fused_cpu(x, fn, scale, base, 4, 3, 1e-6, 1e-6)
+    y, post, comb = got
     assert y.shape == (2, 256) and post.shape == (2, 4) and comb.shape == (2, 4, 4)
+    for a, b in zip(got, mo.hc_pre_fused_cpu(x, fn, scale, base, 4, 3, 1e-6, 1e-6)):
+        same(a, b, atol=1e-5)
 
 
 def test_schema_and_fake_kernels_opcheck():
