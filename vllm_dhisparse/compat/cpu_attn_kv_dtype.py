@@ -28,38 +28,25 @@ from __future__ import annotations
 import functools
 import inspect
 
+from .targets import expect, fail
+
 # MLA-only cache formats CPU_ATTN's kernels do not implement.
 _MLA_ONLY_CACHE_DTYPES = ("fp8_ds_mla",)
 _MARK = "_dhisparse_cpu_kv_dtype"
-_ISA_PARAMS = ("dtype", "block_size", "head_size", "kv_cache_dtype")
-
-
-def _missing(piece: str, why: str) -> RuntimeError:
-    import vllm
-
-    return RuntimeError(f"vllm_dhisparse.compat.cpu_attn_kv_dtype: vLLM {vllm.__version__}: "
-                        f"{piece} {why}")
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 
 
 def _targets():
     """(Attention, CPUAttentionBackend, CPUAttentionMetadataBuilder, cpu_attn module),
     checked against what this shim relies on."""
-    from vllm.model_executor.layers.attention import attention as attn_mod
-    from vllm.v1.attention.backends import cpu_attn
-
-    for mod, name in ((attn_mod, "Attention"), (cpu_attn, "CPUAttentionBackend"),
-                      (cpu_attn, "CPUAttentionMetadataBuilder"), (cpu_attn, "_get_attn_isa")):
-        if not hasattr(mod, name):
-            raise _missing(f"{mod.__name__}.{name}", "is missing")
-    builder_cls = cpu_attn.CPUAttentionMetadataBuilder
+    layer_cls = expect("vllm.model_executor.layers.attention.attention:Attention")
+    backend_cls = expect(f"{CPU_ATTN}:CPUAttentionBackend")
+    builder_cls = expect(f"{CPU_ATTN}:CPUAttentionMetadataBuilder")
+    expect(f"{CPU_ATTN}:_get_attn_isa", ("dtype", "block_size", "head_size", "kv_cache_dtype"))
     if "_get_attn_isa" not in inspect.unwrap(builder_cls.__init__).__code__.co_names:
-        raise _missing("CPUAttentionMetadataBuilder.__init__",
-                       "no longer looks up cpu_attn._get_attn_isa")
-    isa_fn = inspect.unwrap(cpu_attn._get_attn_isa)
-    params = tuple(inspect.signature(isa_fn).parameters)
-    if params != _ISA_PARAMS:
-        raise _missing("cpu_attn._get_attn_isa", f"takes {params}, expected {_ISA_PARAMS}")
-    return attn_mod.Attention, cpu_attn.CPUAttentionBackend, builder_cls, cpu_attn
+        raise fail(f"{CPU_ATTN}:CPUAttentionMetadataBuilder.__init__",
+                   "no longer looks up _get_attn_isa in its module")
+    return layer_cls, backend_cls, builder_cls, expect(f"{CPU_ATTN}:")
 
 
 def _cpu_attn_kv_dtype(kv_cache_dtype: str | None) -> str | None:
@@ -79,7 +66,7 @@ def _patch_layer(layer_cls, backend_cls) -> None:
                 and issubclass(backend, backend_cls)):
             for obj, attr in ((self, "kv_cache_torch_dtype"), (self.impl, "is_fp8_kv_cache")):
                 if not hasattr(obj, attr):
-                    raise _missing(f"{type(obj).__name__}.{attr}", "is not set by __init__")
+                    raise fail(f"{type(obj).__name__}.{attr}", "is not set by __init__")
             # get_kv_cache_spec reads kv_cache_torch_dtype (page size, view dtype);
             # the impl passes kv_cache_dtype to the kernels.
             self.kv_cache_dtype = "auto"
