@@ -209,6 +209,21 @@ class World:
         return L.block_view(self.blocks, self.blocks.numel() // L.BLOCK_STRIDE)
 
 
+def probe_one_block(kernel, cfg, dev) -> str | None:
+    """Whether the kernel reads the hierarchy's rows in place as one block of R rows
+    (None) or refuses (its error)."""
+    w = World(dict(cfg, steps=1), 2, 0.0, dev, seed=1)
+    sel, lens = w.draw(1, 0.0, 0)
+    loc, _ = w.h.resolve("c4a", w.ids, sel)
+    try:
+        kernel(*w.inputs(1, 0), w.sink, w.pool_view(), loc.view(2, 1, -1), lens)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (recorded in the JSON)
+        return repr(e)[:2000]
+    return None
+
+
 def equal(a, b) -> bool:
     return a is None and b is None or torch.equal(a, b)
 
@@ -380,19 +395,11 @@ def main(argv=None) -> int:
     t0 = time.time()
     ok = True
     global POOL_VIEW
-    for _ in (1,):  # one probe
-        w = World(dict(cfg, steps=1), 2, 0.0, dev, seed=1)
-        sel, lens = w.draw(1, 0.0, 0)
-        loc, _ = w.h.resolve("c4a", w.ids, sel)
-        try:  # recorded: whether FlashMLA reads a block of R rows
-            kernel(*w.inputs(1, 0), w.sink, w.pool_view(), loc.view(2, 1, -1), lens)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            out["one_block_error"] = repr(e)[:2000]
-            print("one-block view refused:", out["one_block_error"], flush=True)
-            POOL_VIEW = "page_major_copy"
-        del w
+    err = probe_one_block(kernel, cfg, dev)
+    if err is not None:
+        out["one_block_error"] = err
+        print("one-block view refused:", err, flush=True)
+        POOL_VIEW = "page_major_copy"
     out["pool_view"] = POOL_VIEW
     for n in cfg["batches"]:
         for k_q in cfg["queries"]:
