@@ -48,13 +48,11 @@ class HierarchyMachine(RuleBasedStateMachine):
                 optional=st.booleans(), eager=st.booleans(), repop=st.integers(1, 3),
                 run=st.integers(1, 3))
     def build(self, policy, reserve, optional, eager, repop, run):
+        # short runs: placement, reclaim and tail backup copies split
         self.h = KVHierarchy(SOURCES, reclaim_policy=policy, admission_reserve_pages=reserve,
                              optional_residency=optional, eager_backup=eager,
-                             repopulate_pages_per_step=repop, device=self.device,
-                             staging=STAGING)
-        for parts in self.h.sources.values():  # short runs: placement, reclaim and tail
-            parts.residency.RUN_PAGES = run    # backup copies split
-            parts.residency.tail.BATCH_PAGES = run
+                             repopulate_pages_per_step=repop, run_pages=run,
+                             device=self.device, staging=STAGING)
         self.truth: dict[str, dict[str, torch.Tensor]] = {}
         self.max_rows: dict[str, int] = {}
         self.next_id = 0

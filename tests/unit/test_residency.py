@@ -205,15 +205,14 @@ def admit_failing_victim(h, truth, req):
     return ok
 
 
-def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
+def test_reclaim_backs_up_scattered_pages_in_bounded_runs():
     """Reclaim copies device-only pages in runs of consecutive history pages (one host
-    copy each, at most RUN_PAGES long), gathering rows from scattered device
+    copy each, at most run_pages long), gathering rows from scattered device
     pages, and skips pages that already have a host copy."""
-    from vllm_dhisparse.hierarchy.residency import ResidencyManager, _runs
+    from vllm_dhisparse.hierarchy.residency import _runs
     assert _runs([0, 1, 2, 4, 5, 9], 2) == [[0, 1], [2], [4, 5], [9]]
     assert _runs([], 4) == []
-    monkeypatch.setattr(ResidencyManager, "RUN_PAGES", 2)
-    h, truth = make(20)
+    h, truth = make(20, run_pages=2)
     for i in range(5):  # pages 3i .. 3i+2 each
         assert admit(h, truth, f"x{i}", 0)
     for i in (1, 3):
@@ -234,17 +233,15 @@ def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA copy stream")
-def test_reclaim_gathers_stay_alive_until_their_copy_ran(monkeypatch):
+def test_reclaim_gathers_stay_alive_until_their_copy_ran():
     """Scattered device pages of two planes are gathered on the compute stream and joined
     on the copy stream; with the copy stream busy (earlier backups), a gathered buffer
     freed early would be handed to the next run's gather before the join read it."""
-    from vllm_dhisparse.hierarchy.residency import ResidencyManager
-    monkeypatch.setattr(ResidencyManager, "RUN_PAGES", 2)
     ps, n = 64, 200  # history pages
     spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
                 device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_rows=ps, tail_pages=1,
                 max_slots=2, max_rows=(n + 2) * ps)
-    h = KVHierarchy([spec], device="cuda")
+    h = KVHierarchy([spec], device="cuda", run_pages=2)
     parts = h.sources["c"]
     held = parts.pool.allocate(parts.pool.num_free)
     parts.pool.free(held[::2])  # every other page free: the optional pages scatter

@@ -101,7 +101,7 @@ class KVHierarchy:
                 state, pool, host, tail_pages=s.tail_pages,
                 reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,
                 optional_residency=cfg.optional_residency, eager_backup=cfg.eager_backup,
-                last_active=self._last_active)
+                last_active=self._last_active, run_pages=cfg.run_pages)
             self.sources[s.name] = SourceParts(s, state, pool, host, resolver, residency, arenas)
         self.requests: dict[str, dict[str, int]] = {}  # req -> source -> max_rows
         self.step_index = 0

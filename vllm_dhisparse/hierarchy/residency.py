@@ -92,17 +92,14 @@ class AdmissionPlan:
 
 
 class ResidencyManager:
-    # pages per copy of many pages (reclaim backups, placing imported history): bounds
-    # the rows a copy gathers or stages (37 MiB at 64-row pages of 584 B; a reclaim
-    # keeps two copies in flight)
-    RUN_PAGES = 1024
-
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
                  tail_pages: int, reserve_pages: int = 0,
                  policy: str = "largest_first", optional_residency: bool = True,
-                 eager_backup: bool = False, last_active: dict[str, int] | None = None):
+                 eager_backup: bool = False, last_active: dict[str, int] | None = None,
+                 run_pages: int):
         """``last_active``: request -> last step it produced rows (the reclaim order reads
-        it); a hierarchy shares one among its sources."""
+        it); a hierarchy shares one among its sources.  ``run_pages``: the most pages one
+        copy of many pages moves, here and in the tail (``ResidencyConfig.run_pages``)."""
         ps = pool.page_size
         self.source, self.pool, self.host = source, pool, host
         self.page_size = ps
@@ -122,7 +119,8 @@ class ResidencyManager:
         self.requests: dict[str, RequestPages] = {}
         self.last_active = {} if last_active is None else last_active
         self.counters = ResidencyCounters()
-        self.tail = TailWriter(source, pool, host, self.counters, self.requests)
+        self.run_pages = run_pages
+        self.tail = TailWriter(source, pool, host, self.counters, self.requests, run_pages)
         self._admissions = 0
         self._cursor = 0  # round-robin position of repopulation, persists across steps
         # step() visits these, not every request: requests with copies in flight, and
@@ -166,7 +164,7 @@ class ResidencyManager:
         unbacked = self._unbacked(rec)
         issued = []
         try:
-            for run in _runs(unbacked, self.RUN_PAGES):
+            for run in _runs(unbacked, self.run_pages):
                 src = self.pool.page_planes([rec.optional[p] for p in run])
                 issued.append(self.host.prepare_backup(req_id, run[0] * self.page_size, src))
                 if len(issued) > 1:  # two runs in flight at most: bounds the gathered rows
@@ -235,9 +233,9 @@ class ResidencyManager:
         # Keep the pages nearest the tail: recent history is the likeliest to be selected.
         first_kept = full - keep
         dev_pages = self.pool.allocate(keep)
-        if keep:  # a write per RUN_PAGES kept pages, one publish
-            for a in range(0, keep, self.RUN_PAGES):
-                chunk = dev_pages[a:a + self.RUN_PAGES]
+        if keep:  # a write per run of kept pages, one publish
+            for a in range(0, keep, self.run_pages):
+                chunk = dev_pages[a:a + self.run_pages]
                 first = (first_kept + a) * ps
                 self.pool.write(self.pool.page_rows(chunk), imported[first:first + len(chunk) * ps])
             kept = list(range(first_kept, full))

@@ -14,6 +14,11 @@ from typing import Any, Mapping
 
 from .reclaim_policies import DEFAULT_RECLAIM_POLICY, get_reclaim_policy
 
+# A run: the most pages one copy of many pages moves (a reclaim's backup, placing
+# imported history, a step's pass of tail backups).  It bounds the rows such a copy
+# gathers or stages: 37 MiB at 64-row pages of 584 B, and a reclaim keeps two in flight.
+RUN_PAGES = 1024
+
 
 def _from_dict(cls, what: str, d: Mapping[str, Any]):
     valid = [f.name for f in dataclasses.fields(cls)]
@@ -109,12 +114,14 @@ class ResidencyConfig:
     reclaim_policy: str = DEFAULT_RECLAIM_POLICY  # order of eq. 4
     optional_residency: bool = True  # off = imported history goes to host, no repopulation
     eager_backup: bool = False  # back up kept imported pages at admission instead of deferring
+    run_pages: int = RUN_PAGES  # most pages one copy of many pages moves
 
     def __post_init__(self):
-        for key in ("admission_reserve_pages", "repopulate_pages_per_step"):
+        for key, low in (("admission_reserve_pages", 0), ("repopulate_pages_per_step", 0),
+                         ("run_pages", 1)):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{key}={value!r}; allowed: int >= 0")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{key}={value!r}; allowed: int >= {low}")
         get_reclaim_policy(self.reclaim_policy)  # ValueError lists the supported names
 
     @classmethod

@@ -46,15 +46,15 @@ if TYPE_CHECKING:
 
 
 class TailWriter:
-    BATCH_PAGES = 1024  # pages per backup pass of a step (37 MiB gathered at 584 B rows)
-
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore,
-                 counters: "ResidencyCounters", requests: dict[str, "RequestPages"]):
+                 counters: "ResidencyCounters", requests: dict[str, "RequestPages"],
+                 run_pages: int):
         self.source = source
         self.pool = pool
         self.host = host
         self.counters = counters
         self.page_size = pool.page_size
+        self.run_pages = run_pages  # pages per backup pass of a step
         self._requests = requests  # the residency manager's, by request id
         # per slot, on the host: max_rows, and the tail page holding the last row (history
         # page, first device row; -1 = none), which append_batch writes into without
@@ -230,7 +230,7 @@ class TailWriter:
     def _start(self, recs: list["RequestPages"], errors: dict[str, Exception]) -> int:
         """Host copies of the complete tail pages of ``recs`` not already in flight: one
         gather of their device rows and one pass over the copy stream per
-        ``BATCH_PAGES`` pages.  A request whose backup fails is in ``errors`` and gets
+        run (``run_pages`` pages).  A request whose backup fails is in ``errors`` and gets
         no copy; the others are issued."""
         ps = self.page_size
         items, devs = [], []
@@ -249,9 +249,9 @@ class TailWriter:
             for page, dev in new:
                 items.append((rec, page))
                 devs.append(dev)
-        for a in range(0, len(items), self.BATCH_PAGES):
-            batch = items[a:a + self.BATCH_PAGES]
-            src = self.pool.page_planes(devs[a:a + self.BATCH_PAGES])
+        for a in range(0, len(items), self.run_pages):
+            batch = items[a:a + self.run_pages]
+            src = self.pool.page_planes(devs[a:a + self.run_pages])
             pending = self.host.prepare_backups([(rec.req_id, page * ps) for rec, page in batch],
                                                 ps, src)
             for (rec, page), p in zip(batch, pending):
