@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_invariants import check_invariants
 
 SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_rows=3,
                 tail_pages=2, max_slots=5, max_rows=80),

@@ -23,7 +23,7 @@ from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.stats import METRICS, StatsCollector, read  # noqa: E402
 
 from tests.fault_injection import FaultyWorkerSide  # noqa: E402
-from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
+from tests.hierarchy_invariants import check_invariants  # noqa: E402
 
 # 16 and 8 tokens per vLLM block
 LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=4, group=0,

@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from .hierarchy import KVHierarchy
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
 
 def _first(mask: torch.Tensor) -> int:
