@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from tests.hierarchy_faults import fail_next_backup
 from tests.hierarchy_invariants import check_invariants
 
 SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_rows=3,
@@ -117,7 +118,7 @@ def test_a_failed_backup_on_the_full_tail_path_fails_that_request_alone():
     for r in ("r0", "r1"):  # fill b's single tail page of both to its end
         n = b.spec.page_size - b.state.seq_len(r) % b.spec.page_size
         h.append_batch("b", [r], rows(n, 5, 7))
-    b.host.fail_next_backup_of.add("r1")
+    fail_next_backup(b.host, "r1")
     lens = {r: b.state.seq_len(r) for r in ("r0", "r1", "r2")}
     failed = h.append_batch("b", ["r0", "r1", "r2"], rows(3, 5, 8))
     assert set(failed) == {"r1"} and isinstance(failed["r1"], HostBackupError)

@@ -3,6 +3,8 @@ import torch
 
 from vllm_dhisparse.hierarchy.host_store import HostBackupError, HostStore
 
+from tests.hierarchy_faults import fail_next_backup
+
 
 def store(rows=32, width=3):
     return HostStore(name="h", row_bytes=width, capacity_rows=rows, pin=False)
@@ -62,10 +64,10 @@ def test_complete_after_free_is_harmless():
     assert pending.done and not h.has("a")
 
 
-def test_fault_injection_fails_once_and_marks_nothing():
+def test_a_failed_backup_marks_nothing_and_the_next_one_runs():
     h = store()
     h.allocate("a", 8)
-    h.fail_next_backup_of.add("a")
+    fail_next_backup(h, "a")
     with pytest.raises(HostBackupError, match="'a'"):
         h.prepare_backup("a", 0, data(1))
     assert not bool(h.backed("a").any())

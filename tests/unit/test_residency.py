@@ -5,6 +5,7 @@ import torch
 
 from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, NUM_COUNTERS
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from tests.hierarchy_faults import fail_next_backup
 from tests.hierarchy_invariants import check_invariants
 
 PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
@@ -187,7 +188,7 @@ def test_backup_failure_during_reclaim_fails_only_the_victim():
     """The victim whose deferred backup fails is released and reported
     (``take_failures``); the admission that needed its pages proceeds."""
     h, truth = pressured("largest_first")
-    h.sources["s"].host.fail_next_backup_of.add("r0")
+    fail_next_backup(h.sources["s"].host, "r0")
     assert admit_failing_victim(h, truth, "r3")
     failures = h.take_failures()
     assert list(failures) == ["r0"] and "'r0'" in failures["r0"]
@@ -378,7 +379,7 @@ def test_a_failed_tail_backup_does_not_hold_back_the_others():
     h, truth = make(30, tail_pages=2)
     for r in ("bad", "r1", "r2"):
         assert admit(h, truth, r, 3)
-    h.sources["s"].host.fail_next_backup_of.add("bad")
+    fail_next_backup(h.sources["s"].host, "bad")
     for i, r in enumerate(("bad", "r1", "r2")):
         append(h, truth, r, 1, seed=10 + i)  # page 1 complete in each
     h.step()

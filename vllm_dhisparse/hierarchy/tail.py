@@ -242,19 +242,19 @@ class TailWriter:
             if not new:
                 continue
             try:
-                self.host.check_injected_fault(rec.req_id)
+                dsts = self.host.backup_slices(rec.req_id, [page * ps for page, _ in new], ps)
             except HostBackupError as e:
                 errors[rec.req_id] = e
                 continue
-            for page, dev in new:
-                items.append((rec, page))
+            for (page, dev), dst in zip(new, dsts):
+                items.append((rec, page, dst))
                 devs.append(dev)
         for a in range(0, len(items), self.run_pages):
             batch = items[a:a + self.run_pages]
             src = self.pool.page_planes(devs[a:a + self.run_pages])
-            pending = self.host.prepare_backups([(rec.req_id, page * ps) for rec, page in batch],
-                                                ps, src)
-            for (rec, page), p in zip(batch, pending):
+            pending = self.host.prepare_backups(
+                [(rec.req_id, page * ps, dst) for rec, page, dst in batch], src)
+            for (rec, page, _), p in zip(batch, pending):
                 rec.backups.append((page, p))
         return len(items)
 
