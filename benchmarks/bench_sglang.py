@@ -172,7 +172,7 @@ def build_case(n, cfg, frac, host, dev, seed):
     sg["device_buffer"] = torch.empty((n * (budget + 1), rb), dtype=torch.uint8, device=dev)
     sg["device_buffer"].fill_(0xA5)
     sg["device_buffer"][dbl[:, :budget].reshape(-1).long()] = st.device_rows[
-        st.hot_rows.reshape(-1).long()]
+        st.hot_loc.reshape(-1).long()]
     newest = torch.full((n, 1), rows - 1, **i32)
     sg["tokens0"] = torch.cat([st.hot_pos, newest], 1).contiguous()
     sg["device_buffer_tokens"] = sg["tokens0"].clone()

@@ -22,7 +22,7 @@ not idempotent):
 
 Synthetic states follow ``SourceState``: per request slot ``s`` the host pool
 holds rows ``[s*P, (s+1)*P)`` (per-request-contiguous, pinned), hot slot ``j``
-of slot ``s`` lives at device row ``hot_rows[s, j]``, and direct-map pages point
+of slot ``s`` lives at device row ``hot_loc[s, j]``, and direct-map pages point
 into a separate device region that holds a copy of the host rows.
 """
 from __future__ import annotations
@@ -296,7 +296,7 @@ class SynthState:
     page_table: torch.Tensor
     page_size: int
     hot_pos: torch.Tensor
-    hot_rows: torch.Tensor
+    hot_loc: torch.Tensor
     hot_stamp: torch.Tensor
     hot_clock: torch.Tensor
     hot_slot_of: torch.Tensor
@@ -310,7 +310,7 @@ class SynthState:
 
     def resolve_args(self, selections: torch.Tensor, slot_ids: torch.Tensor):
         return (selections, slot_ids, self.page_table, self.page_size, self.hot_pos,
-                self.hot_rows, self.hot_stamp, self.hot_clock, self.hot_slot_of, self.staging_rows,
+                self.hot_loc, self.hot_stamp, self.hot_clock, self.hot_slot_of, self.staging_rows,
                 self.host_base)
 
     def save(self) -> None:
@@ -355,7 +355,7 @@ def build_state(*, n_slots: int, rows: int, row_bytes: int, budget: int, staging
         for s in range(n_slots):  # contiguous copies: host [s*rows, +direct_rows) -> device
             a = direct0 + s * direct_rows
             device_rows[a:a + direct_rows].copy_(host_rows[s * rows:s * rows + direct_rows])
-    hot_rows = (hot0 + slots[:, None] * budget + torch.arange(budget, **i32)[None]).contiguous()
+    hot_loc = (hot0 + slots[:, None] * budget + torch.arange(budget, **i32)[None]).contiguous()
     staging = (stage0 + slots[:, None] * staging_cols
                + torch.arange(staging_cols, **i32)[None]).contiguous()
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
@@ -364,7 +364,7 @@ def build_state(*, n_slots: int, rows: int, row_bytes: int, budget: int, staging
     ages = torch.randint(1, 4096, (n_slots, budget), generator=g).to(**i32)
     st = SynthState(
         page_table=page_table, page_size=page_size,
-        hot_pos=torch.full((n_slots, budget), -1, **i32), hot_rows=hot_rows,
+        hot_pos=torch.full((n_slots, budget), -1, **i32), hot_loc=hot_loc,
         hot_stamp=(clock[:, None] - ages).contiguous(), hot_clock=clock,
         hot_slot_of=torch.full((n_slots, rows), -1, **i32),
         host_base=(slots.long() * rows).contiguous(),
@@ -383,7 +383,7 @@ def make_hot(st: SynthState, hot: list) -> None:
         st.hot_pos[s, :m] = r
         st.hot_slot_of[s, r.long()] = torch.arange(m, dtype=torch.int32, device=dev)
         host_to_device_rows(st.host_rows, st.device_rows, r.long() + int(st.host_base[s]),
-                            st.hot_rows[s, :m])
+                            st.hot_loc[s, :m])
 
 
 # ---------------------------------------------------------------- checking
@@ -403,7 +403,7 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
     else:
         ref_tables = st.clone_tables()
         ref_args = (selections, slot_ids, st.page_table, st.page_size, ref_tables["hot_pos"],
-                    st.hot_rows, ref_tables["hot_stamp"], ref_tables["hot_clock"],
+                    st.hot_loc, ref_tables["hot_stamp"], ref_tables["hot_clock"],
                     ref_tables["hot_slot_of"],
                     st.staging_rows, st.host_base)
         r_loc, r_src, r_dst, r_cnt, r_ctr = resolve_reference(

@@ -85,7 +85,7 @@ class Setup:
         self.stage_start = n_hot + n_direct
         self.device_rows = torch.zeros(n_hot + n_direct + n * per_row, w, dtype=torch.uint8,
                                        device=dev)
-        self.hot_rows = torch.randperm(n_hot, generator=g).int().view(S, B).to(dev)
+        self.hot_loc = torch.randperm(n_hot, generator=g).int().view(S, B).to(dev)
         page_slot = torch.randperm(S * self.n_pages, generator=g).to(dev)
         self.page_starts = (n_hot + page_slot * ps).int().view(S, self.n_pages)
         # every page's rows sit at their device place; page_table decides which are "ready"
@@ -172,7 +172,7 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     common = (s.page_table, s.page_size)
     sync()
     t0 = time.perf_counter()
-    got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_rows, s.hot_stamp, s.hot_clock,
+    got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_loc, s.hot_stamp, s.hot_clock,
                   s.hot_slot_of, s.staging_rows, s.host_base,
                   num_device_rows=s.device_rows.shape[0])
     sync()
@@ -183,7 +183,7 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     sync()
     t2 = time.perf_counter()
     hp, stamp, clock, hs = s.shadow
-    want = resolve_reference(sel, slot_ids, *common, hp, s.hot_rows, stamp, clock, hs,
+    want = resolve_reference(sel, slot_ids, *common, hp, s.hot_loc, stamp, clock, hs,
                              s.staging_rows, s.host_base, num_device_rows=s.device_rows.shape[0])
     errors = []
     for name, a, b in zip(("locations", "miss_src", "miss_dst", "miss_count", "counters"), got, want):
@@ -298,7 +298,7 @@ def main() -> int:
         # compile outside the timed calls, on throwaway copies of the state
         warm = setup.selections(slot_ids)
         scratch = [t.clone() for t in setup.state()]
-        out = resolve(warm, slot_ids, setup.page_table, setup.page_size, scratch[0], setup.hot_rows,
+        out = resolve(warm, slot_ids, setup.page_table, setup.page_size, scratch[0], setup.hot_loc,
                       scratch[1], scratch[2], scratch[3], setup.staging_rows, setup.host_base,
                       num_device_rows=setup.device_rows.shape[0])
         gather_rows(setup.host_rows, setup.device_rows.clone(), out[1], out[2], out[3])

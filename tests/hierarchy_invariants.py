@@ -7,7 +7,7 @@
     marked backed.
 (b) The hot cache is coherent: ``hot_pos`` and ``hot_slot_of`` are inverse, no
     hot slot carries a stamp ahead of its clock, and the device rows at
-    ``hot_rows`` hold the original rows they claim (eq. 12 for hot hits).
+    ``hot_loc`` hold the original rows they claim (eq. 12 for hot hits).
 (c) No pending page is published (ready vs allocated), and the direct map
     publishes exactly the tail and ready optional pages.
 (d) Pool accounting: pages in use = Σ required + optional + pending, no page
@@ -129,10 +129,10 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
                 assert int(hot_pos[slot_of[r]]) == r, (
                     f"{where}: hot_slot_of[{r}] = {int(slot_of[r])} but that slot holds "
                     f"{int(hot_pos[slot_of[r]])}")
-            hot_dev = st.hot_rows[slot].cpu().long()
+            hot_dev = st.hot_loc[slot].cpu().long()
             expect_hot = pool.page_rows(rec.hot)[:budget]
             assert torch.equal(hot_dev, expect_hot), \
-                f"{where}: hot_rows {hot_dev.tolist()} are not the request's hot pages {rec.hot}"
+                f"{where}: hot_loc {hot_dev.tolist()} are not the request's hot pages {rec.hot}"
             if t is not None and bool(held.any()):
                 got = pool.read(hot_dev[held]).cpu()
                 bad = (got != t[hot_pos[held]]).any(1)

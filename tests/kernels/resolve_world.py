@@ -56,7 +56,7 @@ class World:
                                        dtype=torch.uint8).to(DEVICE)
         self.host_base = (torch.randperm(slots, generator=g) * positions).to(DEVICE)
         self.device_rows = torch.zeros(self.n_dev_rows, row_bytes, dtype=torch.uint8, device=DEVICE)
-        self.hot_rows = (torch.randperm(n_hot, generator=g).int().view(slots, budget)).to(DEVICE)
+        self.hot_loc = (torch.randperm(n_hot, generator=g).int().view(slots, budget)).to(DEVICE)
         page_starts = n_hot + torch.randperm(slots * n_pages, generator=g).int() * page_size
         self.page_starts = page_starts.view(slots, n_pages).to(DEVICE)
         self.page_table = torch.full((slots, n_pages), -1, dtype=torch.int32, device=DEVICE)
@@ -88,7 +88,7 @@ class World:
         for pos, b in zip(positions, free):
             self.hot_pos[slot, b] = pos
             self.hot_slot_of[slot, pos] = b
-            self.device_rows[int(self.hot_rows[slot, b])] = self.truth(slot, pos)
+            self.device_rows[int(self.hot_loc[slot, b])] = self.truth(slot, pos)
 
     def state(self):
         return [self.hot_pos, self.hot_stamp, self.hot_clock, self.hot_slot_of]
@@ -124,11 +124,11 @@ class World:
         rows = {} if copy is None else dict(host_rows=self.host_rows, device_rows=self.device_rows,
                                             fused_copy=copy)
         bound = dict(seq_lens=self.seq_lens) if lens else {}
-        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.hot_stamp,
+        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_loc, self.hot_stamp,
                       self.hot_clock, self.hot_slot_of, *tail, **rows,
                       num_device_rows=self.n_dev_rows, **bound)
         hp, stamp, clock, hs = self.ref
-        want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, stamp, clock, hs, *tail,
+        want = resolve_reference(sel, slot_t, *args, hp, self.hot_loc, stamp, clock, hs, *tail,
                                  num_device_rows=self.n_dev_rows, **bound)
         ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
             else f" ({context}; slots {slot_ids})"
@@ -161,12 +161,12 @@ class World:
             pos = self.hot_pos[s, held].long()
             assert_same(f"hot_slot_of inverse (slot {s})", self.hot_slot_of[s, pos], held.int(), ctx)
             assert int((self.hot_slot_of[s] >= 0).sum()) == held.numel(), f"stale hot_slot_of{ctx}"
-            assert_same(f"hot bytes (slot {s})", self.device_rows[self.hot_rows[s, held].long()],
+            assert_same(f"hot bytes (slot {s})", self.device_rows[self.hot_loc[s, held].long()],
                         self.truth(s, pos), ctx)
 
 
 GUARD = -123456789  # sentinel filling the rows around every table (never a valid entry)
-GUARDED = ("page_table", "hot_pos", "hot_rows", "hot_stamp", "hot_clock", "hot_slot_of",
+GUARDED = ("page_table", "hot_pos", "hot_loc", "hot_stamp", "hot_clock", "hot_slot_of",
            "staging_rows")
 
 

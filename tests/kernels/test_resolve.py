@@ -249,7 +249,7 @@ def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
         sel = w.selections([0, 2], 2, 6, dup=0.2)
         st = [t.clone() for t in w.state()]
         got = resolve(sel, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), w.page_table,
-                      w.page_size, w.hot_pos, w.hot_rows, w.hot_stamp, w.hot_clock,
+                      w.page_size, w.hot_pos, w.hot_loc, w.hot_stamp, w.hot_clock,
                       w.hot_slot_of, w.staging_rows, w.host_base, host_rows=w.host_rows,
                       device_rows=planes, fused_copy=fused)
         for t, old in zip(w.state(), st):  # replay the call on World's own rows as the oracle
@@ -329,7 +329,7 @@ def _good_args(w, n=2, queries=2, top_k=4):
     sel = w.selections(list(range(n)), queries, top_k)
     return dict(selections=sel, slot_ids=torch.arange(n, dtype=torch.int32, device=DEVICE),
                 page_table=w.page_table, page_size=w.page_size, hot_pos=w.hot_pos,
-                hot_rows=w.hot_rows, hot_stamp=w.hot_stamp, hot_clock=w.hot_clock,
+                hot_loc=w.hot_loc, hot_stamp=w.hot_stamp, hot_clock=w.hot_clock,
                 hot_slot_of=w.hot_slot_of,
                 staging_rows=w.staging_rows, host_base=w.host_base, num_device_rows=w.n_dev_rows)
 
@@ -345,7 +345,7 @@ def _good_args(w, n=2, queries=2, top_k=4):
     ("page_size", lambda a: 0, "positive int"),
     ("page_size", lambda a: 4.0, "positive int"),
     ("hot_pos", lambda a: a["hot_pos"].float(), "int32"),
-    ("hot_rows", lambda a: a["hot_rows"][:, :-1], "shape"),
+    ("hot_loc", lambda a: a["hot_loc"][:, :-1], "shape"),
     ("hot_stamp", lambda a: a["hot_stamp"].to(torch.int16), "int32"),
     ("hot_clock", lambda a: a["hot_clock"][:, None], "shape"),
     ("hot_slot_of", lambda a: a["hot_slot_of"][:-1], "shape"),

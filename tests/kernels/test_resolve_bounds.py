@@ -100,7 +100,7 @@ def own_rows(w, slot, batch_row):
     """Device rows a request may be given: its hot rows, its pages, its staging row."""
     pages = w.page_starts[slot].long()
     page_rows = (pages[:, None] + torch.arange(w.page_size, device=DEVICE)[None, :]).flatten()
-    return set(w.hot_rows[slot].tolist()) | set(page_rows.tolist()) \
+    return set(w.hot_loc[slot].tolist()) | set(page_rows.tolist()) \
         | set(w.staging_rows[batch_row].tolist())
 
 
@@ -246,7 +246,7 @@ def _tables(n_slots, budget, positions, n_pages, page_size=4):
     i32 = dict(dtype=torch.int32, device=DEVICE)
     return dict(page_table=torch.full((n_slots, n_pages), -1, **i32), page_size=page_size,
                 hot_pos=torch.full((n_slots, budget), -1, **i32),
-                hot_rows=torch.arange(n_slots * budget, **i32).view(n_slots, budget),
+                hot_loc=torch.arange(n_slots * budget, **i32).view(n_slots, budget),
                 hot_stamp=torch.zeros(n_slots, budget, **i32),
                 hot_clock=torch.zeros(n_slots, **i32),
                 hot_slot_of=torch.full((n_slots, positions), -1, **i32),
@@ -281,7 +281,7 @@ def test_page_entries_before_the_sources_first_row_are_repaired(path):
                 slot_ids=torch.tensor([0], dtype=torch.int32, device=DEVICE),
                 staging_rows=torch.zeros(1, 8, dtype=torch.int32, device=DEVICE),
                 **_tables(1, 4, 12, 3))
-    args["hot_rows"] += 40
+    args["hot_loc"] += 40
     args["page_table"][0] = torch.tensor([20, 19, 32], dtype=torch.int32)  # F = 20, R = 36
     got = _direct_call(args, first_device_row=20, num_device_rows=36)
     assert got[0][0, 0, :2].tolist() == [20, 21]  # page 0 at F: direct

@@ -157,7 +157,7 @@ class Resolver:
                                  f"pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
                                  f"KVHierarchy.resolve takes them from a held staging arena)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
-        args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
+        args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_loc,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
         bounds = dict(self._bounds, seq_lens=src.seq_lens)
         if self.backend == "triton":

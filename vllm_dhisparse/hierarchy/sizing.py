@@ -94,7 +94,7 @@ class ModelShape:
     tail_rows: int = 64  # rows per offloaded source not yet immutable (one page)
     top_k: int = 2048
     resolver_states: int = 1  # SourceState instances per session (shared LRU per index group)
-    metadata_budget: int = 0  # mean B of those states (hot_pos / hot_rows / hot_stamp columns)
+    metadata_budget: int = 0  # mean B of those states (hot_pos / hot_loc / hot_stamp columns)
     metadata_tokens_per_row: int = 1  # m of the rows hot_slot_of / page_table cover
     draft: DraftShape | None = None
     live_sources: int = 1  # chi: payload sources whose staging is live at once
@@ -135,7 +135,7 @@ class ModelShape:
 
     def metadata_bytes(self, tokens: int) -> int:
         """Our SourceState tables for one session: page_table [max_pages] i32,
-        hot_pos / hot_rows / hot_stamp [B] i32, hot_slot_of [max_rows] i32,
+        hot_pos / hot_loc / hot_stamp [B] i32, hot_slot_of [max_rows] i32,
         seq_len and hot_clock i32, host_base i64 — per resolver state."""
         rows = self.history_rows(tokens, self.metadata_tokens_per_row)
         pages = rows // self.page_size

@@ -11,7 +11,7 @@ Tables, all on the pool's device:
   optional-history pages), -1 otherwise.  Only *ready* pages are published
   here; an allocated page whose copy is still pending stays -1 (paper 3.1:
   ready vs allocated).
-* ``hot_pos / hot_rows / hot_stamp [S, B] int32``, ``hot_clock [S] int32`` and
+* ``hot_pos / hot_loc / hot_stamp [S, B] int32``, ``hot_clock [S] int32`` and
   ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache, least recently used
   slots evicted first by call stamps (see ``vllm_dhisparse/triton_kernels/reference.py``
   for the update rule).
@@ -51,7 +51,7 @@ class SourceState:
         i32 = dict(dtype=torch.int32, device=self.device)
         self.page_table = torch.full((max_slots, self.max_pages), -1, **i32)
         self.hot_pos = torch.full((max_slots, self.budget), -1, **i32)
-        self.hot_rows = torch.full((max_slots, self.budget), -1, **i32)
+        self.hot_loc = torch.full((max_slots, self.budget), -1, **i32)
         self.hot_stamp = torch.zeros((max_slots, self.budget), **i32)
         self.hot_clock = torch.zeros(max_slots, **i32)
         self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
@@ -63,20 +63,20 @@ class SourceState:
         self._batch: tuple[tuple[str, ...], torch.Tensor] | None = None  # slots() of the last batch
 
     # -- slot lifecycle ---------------------------------------------------
-    def open_slot(self, req_id: str, hot_device_rows: torch.Tensor, host_base: int) -> int:
-        """Binds ``req_id`` to a fresh slot whose hot cache lives at ``hot_device_rows``."""
+    def open_slot(self, req_id: str, hot_loc: torch.Tensor, host_base: int) -> int:
+        """Binds ``req_id`` to a fresh slot whose hot cache lives at ``hot_loc``."""
         if req_id in self._slot_of:
             raise ValueError(f"source {self.name!r}: request {req_id!r} already has a slot")
         if not self._free_slots:
             raise RuntimeError(f"source {self.name!r}: all {self.max_slots} slots in use")
-        if hot_device_rows.numel() != self.budget:
+        if hot_loc.numel() != self.budget:
             raise ValueError(f"source {self.name!r}: hot cache needs {self.budget} rows, "
-                             f"got {hot_device_rows.numel()}")
+                             f"got {hot_loc.numel()}")
         slot = self._free_slots.pop()
         self._slot_of[req_id] = slot
         self._batch = None
         self._reset(slot)
-        self.hot_rows[slot] = hot_device_rows.to(self.hot_rows)
+        self.hot_loc[slot] = hot_loc.to(self.hot_loc)
         self.host_base[slot] = host_base
         return slot
 
@@ -89,7 +89,7 @@ class SourceState:
     def _reset(self, slot: int) -> None:
         self.page_table[slot] = -1
         self.hot_pos[slot] = -1
-        self.hot_rows[slot] = -1
+        self.hot_loc[slot] = -1
         self.hot_stamp[slot] = 0
         self.hot_clock[slot] = 0
         self.hot_slot_of[slot] = -1

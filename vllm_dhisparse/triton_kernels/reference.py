@@ -57,7 +57,7 @@ staging arena):
   entry is reset.  Counted once per non-direct selection that reads it.
 * A filled slot unlinks its old row only where ``hot_slot_of`` points back.
 
-``hot_rows``, ``staging_rows`` and ``host_base`` are the slot's placement,
+``hot_loc``, ``staging_rows`` and ``host_base`` are the slot's placement,
 written once at admission from the allocators, and trusted.  ``R - page_size``
 is taken as -1 when the pool has fewer rows than a page.
 """
@@ -77,7 +77,7 @@ def resolve_reference(
     page_table: torch.Tensor,  # [S, max_pages] int32 device row of page start, -1 = not ready
     page_size: int,
     hot_pos: torch.Tensor,  # [S, B] int32 row held by each hot slot, -1 = empty (updated)
-    hot_rows: torch.Tensor,  # [S, B] int32 device row of each hot slot
+    hot_loc: torch.Tensor,  # [S, B] int32 device row of each hot slot
     hot_stamp: torch.Tensor,  # [S, B] int32 stamp of each hot slot's last use (updated)
     hot_clock: torch.Tensor,  # [S] int32 stamp of the slot's last hot-cache call (updated)
     hot_slot_of: torch.Tensor,  # [S, P] int32 row -> hot slot, -1 = absent (updated)
@@ -139,7 +139,7 @@ def resolve_reference(
         hot = nondirect & v_in & (held == pos)
         hso_bad = nondirect & (v != -1) & ~hot
         repairs = int(pt_bad.sum()) + int(hso_bad.sum())
-        loc[hot] = hot_rows[slot, v[hot]].long()
+        loc[hot] = hot_loc[slot, v[hot]].long()
         host = nondirect & ~hot
         stamp = None
         if bool(hot.any()) or bool(host.any()):  # the call reads the hot cache: new stamp
@@ -178,7 +178,7 @@ def resolve_reference(
         hot_slot_of[slot, fill_pos] = fill_slots.to(hot_slot_of.dtype)
         if n_hot_fill:
             hot_stamp[slot, fill_slots] = stamp
-        dst = torch.cat([hot_rows[slot, fill_slots].long(),
+        dst = torch.cat([hot_loc[slot, fill_slots].long(),
                          staging_rows[n, :n_stage].long()])
 
         # every selection of a missing row gets that row's location

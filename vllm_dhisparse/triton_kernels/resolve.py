@@ -12,7 +12,7 @@ passes after phase 1 run only when their counts are non-zero:
 
   1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
      -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
-     -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
+     -> loc = hot_loc[slot]; else host.  Four counts share one reduction.
   1b. after a barrier (every lookup has read the entry state): hits store the call's
      stamp c = hot_clock + 1 in their slot (duplicates store the same value); misses
      claim their row with ``atomic_min(hot_slot_of[pos], CLAIM + j)`` after resetting
@@ -30,7 +30,7 @@ passes after phase 1 run only when their counts are non-zero:
      from the top) finds the threshold age; the victims are the slots above it plus
      the first ties in slot order, the i-th in slot order for miss rank i (one packed
      cumsum): fills unlink their old row (where it points back), take the new one
-     (hot_pos / hot_slot_of / stamp), write miss_dst[r] = hot_rows[victim] and the
+     (hot_pos / hot_slot_of / stamp), write miss_dst[r] = hot_loc[victim] and the
      owner's location; bad hot_pos entries are emptied.  Overflow ranks take staging
      rows.
   4. only when a missing row was selected more than once (host selections >
@@ -129,7 +129,7 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 @triton.jit
 def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, hot_pos_row,
-            hot_rows_row,
+            hot_loc_row,
             limit, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
     """Phase 1 lookups of selections ``j`` on the entry state; writes no state table,
     only the lanes' locations and keys (host: pos, hit: -2 - pos, else -1).
@@ -153,7 +153,7 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, 
     nondirect = valid & ~direct
     v_in = nondirect & (v >= 0) & (v < B)
     held = tl.load(hot_pos_row + v, mask=v_in, other=-1)
-    hot_row = tl.load(hot_rows_row + v, mask=v_in, other=-1)
+    hot_row = tl.load(hot_loc_row + v, mask=v_in, other=-1)
     hot = v_in & (held == pos)
     host = nondirect & ~hot
     hso_bad = nondirect & (v != -1) & ~hot
@@ -229,7 +229,7 @@ def _radix_step(hist, need, prefix, shift):
 
 @triton.jit
 def _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t, mpos_ptr, mj_ptr,
-                  hot_pos_row, hot_rows_row, stamp_row, hso_row, miss_dst_row, loc_row):
+                  hot_pos_row, hot_loc_row, stamp_row, hso_row, miss_dst_row, loc_row):
     """Phase 3 on the slots ``b`` (stamps ``st``, hot_pos ``hp``): victims are the
     unprotected slots older than ``thresh`` plus the first ``ties`` at ``thresh`` (in
     slot order, ``run_a`` / ``run_t`` of each before ``b``); the victim with r victims
@@ -251,7 +251,7 @@ def _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t, mpos_
     link = tl.load(hso_row + hp, mask=held, other=-1)
     new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
     owner = tl.load(mj_ptr + r, mask=fill, other=0)
-    victim_row = tl.load(hot_rows_row + b, mask=fill, other=-1)
+    victim_row = tl.load(hot_loc_row + b, mask=fill, other=-1)
     tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == b))
     tl.store(hot_pos_row + b, tl.where(fill, new_pos, -1), mask=fill | bad)
     tl.store(stamp_row + b, tl.zeros_like(st) + now, mask=fill)
@@ -299,7 +299,7 @@ def _resolve_kernel(
     page_table_ptr, page_table_stride, max_pages,  # [S, max_pages] int32
     pt_first, pt_last,  # entries in [F, R - PAGE_SIZE]: the source's own device rows
     hot_pos_ptr, hot_pos_stride,  # [S, B] int32 (updated)
-    hot_rows_ptr, hot_rows_stride,  # [S, B] int32
+    hot_loc_ptr, hot_loc_stride,  # [S, B] int32
     stamp_ptr, stamp_stride,  # [S, B] int32 (updated)
     clock_ptr,  # [S] int32 (updated)
     hot_slot_of_ptr, hot_slot_of_stride, max_pos,  # [S, P] int32 (updated)
@@ -339,7 +339,7 @@ def _resolve_kernel(
     staging_row = staging_ptr + n * staging_stride
     pt_row = page_table_ptr + slot * page_table_stride
     hot_pos_row = hot_pos_ptr + slot * hot_pos_stride
-    hot_rows_row = hot_rows_ptr + slot * hot_rows_stride
+    hot_loc_row = hot_loc_ptr + slot * hot_loc_stride
     stamp_row = stamp_ptr + slot * stamp_stride
     hso_row = hot_slot_of_ptr + slot * hot_slot_of_stride
     offs_w = tl.arange(0, BLOCK_W)
@@ -362,7 +362,7 @@ def _resolve_kernel(
         m = j < W
         pos, v, hot, host, n_direct, n_hot, n_host, rep1, n_invalid = _lookup(
             sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, hot_pos_row,
-            hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
+            hot_loc_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
         repairs += rep1
     else:
         for w0 in range(0, W, BLOCK_W):
@@ -370,7 +370,7 @@ def _resolve_kernel(
             mc = jc < W
             _, vc, _, _, n_dir_c, n_hot_c, n_host_c, n_rep_c, n_inv_c = _lookup(
                 sel_row, jc, mc, real, pt_row, max_pages, pt_first, pt_last, hso_row,
-                hot_pos_row, hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
+                hot_pos_row, hot_loc_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
             tl.store(mj_ptr + jc, vc, mask=mc)  # entry values for 1b (mj is free until phase 2)
             n_direct += n_dir_c
             n_hot += n_hot_c
@@ -450,7 +450,7 @@ def _resolve_kernel(
                     need, thresh = _radix_step(hist, need, thresh, shift)
                 ties = need
             _fill_victims(st_all, hp_all, offs_b, mb, now, max_pos, thresh, ties, 0, 0,
-                          mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, stamp_row, hso_row,
+                          mpos_ptr, mj_ptr, hot_pos_row, hot_loc_row, stamp_row, hso_row,
                           miss_dst_row, loc_row)
         else:
             n_free = 0
@@ -492,7 +492,7 @@ def _resolve_kernel(
                 st = tl.load(stamp_row + b, mask=mb, other=0)
                 hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
                 packed = _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t,
-                                       mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, stamp_row,
+                                       mpos_ptr, mj_ptr, hot_pos_row, hot_loc_row, stamp_row,
                                        hso_row, miss_dst_row, loc_row)
                 run_a += packed & 0xFFFF
                 run_t += packed >> 16
@@ -525,7 +525,7 @@ def _resolve_kernel(
             code = tl.load(hso_row + kp, mask=h4, other=-1)
             filled = h4 & (code >= 0)
             staged = h4 & (code < -1)
-            hot_row = tl.load(hot_rows_row + code, mask=filled, other=-1)
+            hot_row = tl.load(hot_loc_row + code, mask=filled, other=-1)
             stage_row = tl.load(staging_row + (-2 - code - n_fill), mask=staged, other=-1)
             tl.store(loc_row + j4, tl.where(filled, hot_row, stage_row), mask=h4)
         tl.debug_barrier()
@@ -605,7 +605,7 @@ def fuses_copy(width: int, fused_copy=None) -> bool:
     return bool(fused_copy) if fused_copy is not None else width <= _FUSE_MAX_WIDTH
 
 
-def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_stamp,
+def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_loc, hot_stamp,
             hot_clock, hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
             fused_copy=None, *, num_device_rows=None, first_device_row=0, seq_lens=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
@@ -654,7 +654,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
     _check("slot_ids", slot_ids, torch.int32, (n_batch,), dev)
     _check("page_table", page_table, torch.int32, (n_slots, None), dev)
     _check("hot_pos", hot_pos, torch.int32, (n_slots, budget), dev)
-    _check("hot_rows", hot_rows, torch.int32, (n_slots, budget), dev)
+    _check("hot_loc", hot_loc, torch.int32, (n_slots, budget), dev)
     _check("hot_stamp", hot_stamp, torch.int32, (n_slots, budget), dev)
     _check("hot_clock", hot_clock, torch.int32, (n_slots,), dev)
     _check("hot_slot_of", hot_slot_of, torch.int32, (n_slots, None), dev)
@@ -757,7 +757,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             page_table, page_table.stride(0), page_table.shape[1], int(first_device_row),
             max(int(num_device_rows) - int(page_size), -1),
             hot_pos, hot_pos.stride(0),
-            hot_rows, hot_rows.stride(0),
+            hot_loc, hot_loc.stride(0),
             hot_stamp, hot_stamp.stride(0),
             hot_clock,
             hot_slot_of, hot_slot_of.stride(0), hot_slot_of.shape[1],
