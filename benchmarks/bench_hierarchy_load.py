@@ -59,7 +59,7 @@ def build(cfg: dict, dev: torch.device, resident: float, repopulate: int):
         per_req = -(-budget // ps) + 2  # hot, tail
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + int(resident * n * (hist // ps)),
-                          host_rows=(n + m) * max_rows, hot_rows=budget, tail_pages=2,
+                          host_rows=(n + m) * max_rows, hot_cache_rows=budget, tail_pages=2,
                           max_slots=n + m, max_rows=max_rows, segments=cfg["segments"]))
     h = KVHierarchy(specs, device=dev, repopulate_pages_per_step=repopulate)
     g = torch.Generator(device=dev).manual_seed(n)

@@ -76,7 +76,7 @@ def build(cfg: dict, n: int, dev: torch.device, resident: float):
         optional = int(resident * n * (hist // ps))
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + optional, host_rows=n * max_rows,
-                          hot_rows=budget, tail_pages=2, max_slots=n, max_rows=max_rows,
+                          hot_cache_rows=budget, tail_pages=2, max_slots=n, max_rows=max_rows,
                           segments=cfg["segments"]))
     h = KVHierarchy(specs, device=dev)
     # drawn on the device: at 128K context and 512 sessions the truth is ~40 GB

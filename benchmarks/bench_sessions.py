@@ -91,13 +91,13 @@ def shape_of(smoke: bool):
     ds = M.deepseek_v41_flash()
     if smoke:
         ds = dataclasses.replace(
-            ds, metadata_budget=ds.metadata_budget // 16,
-            payload=tuple(dataclasses.replace(s, hot_rows=s.hot_rows // 16) if s.offloaded
+            ds, metadata_hot_cache_rows=ds.metadata_hot_cache_rows // 16,
+            payload=tuple(dataclasses.replace(s, hot_cache_rows=s.hot_cache_rows // 16) if s.offloaded
                           else s for s in ds.payload))
     sources = []
     for s in ds.payload:
         for _ in range(s.count if s.offloaded else 0):
-            sources.append((f"c4_{len(sources)}", s.row_bytes, s.hot_rows, s.tokens_per_row))
+            sources.append((f"c4_{len(sources)}", s.row_bytes, s.hot_cache_rows, s.tokens_per_row))
     return ds, sources
 
 
@@ -124,7 +124,7 @@ def hierarchy_specs(sources, tokens: int, page: int, sessions: int) -> list[dict
     for name, rb, hot, tpr in sources:
         rows = -(-(-(-tokens // tpr)) // page) * page
         per_session = -(-hot // page) + 1  # hot cache pages + one tail page
-        specs.append(dict(name=name, row_bytes=rb, page_size=page, hot_rows=hot, tail_pages=1,
+        specs.append(dict(name=name, row_bytes=rb, page_size=page, hot_cache_rows=hot, tail_pages=1,
                           device_pages=sessions * per_session, host_rows=sessions * rows,
                           max_slots=sessions, max_rows=rows))
     return specs

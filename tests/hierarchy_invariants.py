@@ -36,7 +36,7 @@ def _first(mask: torch.Tensor) -> int:
 def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
     for name, parts in h.sources.items():
         st, pool, host, rm = parts.state, parts.pool, parts.host, parts.residency
-        ps, budget = parts.spec.page_size, st.budget
+        ps, hot_cache_rows = parts.spec.page_size, st.hot_cache_rows
         assert set(rm.requests) == set(h.requests) == set(st.open_requests), (
             f"source {name!r}: admitted sets disagree: residency {sorted(rm.requests)}, "
             f"hierarchy {sorted(h.requests)}, slots {sorted(st.open_requests)}")
@@ -130,7 +130,7 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
                     f"{where}: hot_slot_of[{r}] = {int(slot_of[r])} but that slot holds "
                     f"{int(hot_pos[slot_of[r]])}")
             hot_dev = st.hot_loc[slot].cpu().long()
-            expect_hot = pool.page_rows(rec.hot)[:budget]
+            expect_hot = pool.page_rows(rec.hot)[:hot_cache_rows]
             assert torch.equal(hot_dev, expect_hot), \
                 f"{where}: hot_loc {hot_dev.tolist()} are not the request's hot pages {rec.hot}"
             if t is not None and bool(held.any()):

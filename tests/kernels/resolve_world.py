@@ -41,33 +41,33 @@ class World:
     each region shuffled so that row numbers carry no accidental structure.
     """
 
-    def __init__(self, *, slots=4, budget=8, positions=64, page_size=4, row_bytes=16,
+    def __init__(self, *, slots=4, hot_cache_rows=8, positions=64, page_size=4, row_bytes=16,
                  batch=2, width=8, staging_extra=0, seed=0, lengths=None):
         g = torch.Generator().manual_seed(seed)
         self.g = g
-        self.S, self.B, self.P, self.page_size = slots, budget, positions, page_size
+        self.S, self.B, self.P, self.page_size = slots, hot_cache_rows, positions, page_size
         self.lengths = lengths or [positions] * slots
         n_pages = -(-positions // page_size)
-        n_hot, n_direct = slots * budget, slots * n_pages * page_size
-        per_row = max(0, width - budget) + staging_extra
+        n_hot, n_direct = slots * hot_cache_rows, slots * n_pages * page_size
+        per_row = max(0, width - hot_cache_rows) + staging_extra
         n_stage = batch * per_row
         self.n_dev_rows = n_hot + n_direct + n_stage
         self.host_rows = torch.randint(0, 256, (slots * positions, row_bytes), generator=g,
                                        dtype=torch.uint8).to(DEVICE)
         self.host_base = (torch.randperm(slots, generator=g) * positions).to(DEVICE)
         self.device_rows = torch.zeros(self.n_dev_rows, row_bytes, dtype=torch.uint8, device=DEVICE)
-        self.hot_loc = (torch.randperm(n_hot, generator=g).int().view(slots, budget)).to(DEVICE)
+        self.hot_loc = (torch.randperm(n_hot, generator=g).int().view(slots, hot_cache_rows)).to(DEVICE)
         page_starts = n_hot + torch.randperm(slots * n_pages, generator=g).int() * page_size
         self.page_starts = page_starts.view(slots, n_pages).to(DEVICE)
         self.page_table = torch.full((slots, n_pages), -1, dtype=torch.int32, device=DEVICE)
         self.staging_rows = (n_hot + n_direct + torch.randperm(n_stage, generator=g).int()) \
             .view(batch, per_row).to(DEVICE)
-        self.hot_pos = torch.full((slots, budget), -1, dtype=torch.int32, device=DEVICE)
+        self.hot_pos = torch.full((slots, hot_cache_rows), -1, dtype=torch.int32, device=DEVICE)
         self.hot_slot_of = torch.full((slots, positions), -1, dtype=torch.int32, device=DEVICE)
         # stamps of earlier calls, with ties, and the clock just past them
         self.hot_clock = torch.randint(20, 30, (slots,), generator=g, dtype=torch.int32).to(DEVICE)
         self.hot_stamp = (self.hot_clock.cpu()[:, None] - torch.randint(
-            0, 6, (slots, budget), generator=g, dtype=torch.int32)).to(DEVICE)
+            0, 6, (slots, hot_cache_rows), generator=g, dtype=torch.int32)).to(DEVICE)
         self.seq_lens = torch.tensor(self.lengths, dtype=torch.int32, device=DEVICE)
         self.ref = None
 

@@ -19,7 +19,7 @@ from resolve_world import DEVICE, STATE_NAMES, World, assert_same  # noqa: E402
 
 
 def test_cold_cache_all_miss():
-    w = World(budget=32, width=16)
+    w = World(hot_cache_rows=32, width=16)
     sel = w.selections([1, 2], 2, 8, pad=0.0, dup=0.0)
     locations, _, _, miss_count, counters = w.call(sel, [1, 2])
     assert (counters[:, COUNTER_HOST] == 16).all() and (counters[:, COUNTER_HOT] == 0).all()
@@ -27,7 +27,7 @@ def test_cold_cache_all_miss():
 
 
 def test_all_hit_after_warmup():
-    w = World(budget=16, width=8)
+    w = World(hot_cache_rows=16, width=8)
     sel = w.selections([0, 3], 2, 4, pad=0.0)
     w.call(sel, [0, 3], context="warm-up")
     _, _, _, miss_count, counters = w.call(sel.flip(-1), [0, 3], context="all hit")
@@ -36,14 +36,14 @@ def test_all_hit_after_warmup():
 
 
 def test_duplicates_within_and_across_queries():
-    w = World(budget=16, width=12, positions=40)
+    w = World(hot_cache_rows=16, width=12, positions=40)
     sel = w.selections([2, 1], 3, 4, dup=0.7, hi=10)
     _, _, _, miss_count, counters = w.call(sel, [2, 1])
     assert (counters[:, COUNTER_HOST] > miss_count).any(), "test needs shared misses"
 
 
 def test_padding_including_whole_query_and_whole_row():
-    w = World(budget=8, width=12, batch=3)
+    w = World(hot_cache_rows=8, width=12, batch=3)
     sel = w.selections([0, 1, 2], 3, 4, pad=0.4, pad_query=True)
     sel[2] = -1
     locations, _, _, miss_count, counters = w.call(sel, [0, 1, 2])
@@ -52,7 +52,7 @@ def test_padding_including_whole_query_and_whole_row():
 
 
 def test_union_larger_than_hot_cache_overflows_to_staging():
-    w = World(budget=4, width=16, positions=64, staging_extra=3)
+    w = World(hot_cache_rows=4, width=16, positions=64, staging_extra=3)
     sel = w.selections([0, 1], 2, 8, pad=0.0, dup=0.0)
     _, _, miss_dst, miss_count, _ = w.call(sel, [0, 1])
     assert (miss_count > 4).all()
@@ -62,19 +62,19 @@ def test_union_larger_than_hot_cache_overflows_to_staging():
 
 
 def test_zero_budget_everything_stages():
-    w = World(budget=0, width=8)
+    w = World(hot_cache_rows=0, width=8)
     w.call(w.selections([0, 1], 2, 4), [0, 1])
     w.call(w.selections([0, 1], 2, 4), [0, 1])
 
 
 def test_budget_equals_top_k():
-    w = World(budget=8, width=16, positions=32, staging_extra=0)
+    w = World(hot_cache_rows=8, width=16, positions=32, staging_extra=0)
     for step in range(3):
         w.call(w.selections([3, 0], 2, 8, dup=0.1), [3, 0], context=f"step {step}")
 
 
 def test_request_shorter_than_top_k():
-    w = World(budget=16, width=16, positions=48, lengths=[5, 48, 3, 48])
+    w = World(hot_cache_rows=16, width=16, positions=48, lengths=[5, 48, 3, 48])
     for step in range(2):
         sel = w.selections([0, 2], 2, 8, pad=0.0)
         sel[0, :, 5:] = -1
@@ -85,7 +85,7 @@ def test_request_shorter_than_top_k():
 
 def test_sequence_lru_evolves():
     """Many calls on the same state: hits protect slots, fills evict the least recent."""
-    w = World(budget=12, width=8, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=12, width=8, positions=40, slots=3, batch=2)
     for step in range(8):
         slots = [[0, 1], [1, 2], [2, 0]][step % 3]
         sel = w.selections(slots, 2, 4, hi=20 if step % 2 else None)
@@ -93,7 +93,7 @@ def test_sequence_lru_evolves():
 
 
 def test_mixed_direct_hot_host_with_growing_direct_coverage():
-    w = World(budget=10, width=12, positions=48, page_size=4, slots=3, batch=3)
+    w = World(hot_cache_rows=10, width=12, positions=48, page_size=4, slots=3, batch=3)
     w.make_direct(0, [11])  # tail page
     w.make_direct(1, [0, 5, 11])
     w.warm(2, [3, 7, 8, 20, 41])
@@ -108,21 +108,21 @@ def test_mixed_direct_hot_host_with_growing_direct_coverage():
 
 @pytest.mark.parametrize("row_bytes", [1, 37, 584, 656])
 def test_row_widths(row_bytes):
-    w = World(budget=6, width=8, row_bytes=row_bytes, positions=24)
+    w = World(hot_cache_rows=6, width=8, row_bytes=row_bytes, positions=24)
     w.make_direct(1, [5])
     for step in range(2):
         w.call(w.selections([1, 0], 2, 4), [1, 0], context=f"step {step}")
 
 
 def test_batch_slots_are_a_permutation():
-    w = World(slots=5, budget=6, width=8, batch=5, positions=30)
+    w = World(slots=5, hot_cache_rows=6, width=8, batch=5, positions=30)
     w.make_direct(3, [7])
     for step, perm in enumerate(([4, 2, 0, 3, 1], [0, 1, 2, 3, 4], [1, 3, 4, 0, 2])):
         w.call(w.selections(perm, 2, 4), perm, context=f"step {step}")
 
 
 def test_subset_of_slots_leaves_others_untouched():
-    w = World(slots=4, budget=6, width=8, batch=1)
+    w = World(slots=4, hot_cache_rows=6, width=8, batch=1)
     w.warm(2, [1, 2, 3])
     before = [t.clone() for t in w.state()]
     w.call(w.selections([0], 2, 4), [0])
@@ -143,7 +143,7 @@ def test_random_sequences(seed):
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
     queries, top_k, slots = r(1, 3), r(1, 9), r(2, 5)
     batch = r(1, slots)
-    w = World(slots=slots, budget=r(0, 14), positions=r(8, 60), page_size=r(1, 8),
+    w = World(slots=slots, hot_cache_rows=r(0, 14), positions=r(8, 60), page_size=r(1, 8),
               row_bytes=r(1, 24), batch=batch, width=queries * top_k, staging_extra=r(0, 2),
               seed=seed)
     for s in range(slots):
@@ -158,7 +158,7 @@ def test_random_sequences(seed):
 def test_misses_in_ascending_position_order():
     """Distinct misses are numbered by position (host-address order), whatever the
     selection order; later duplicates share the rank."""
-    w = World(budget=8, width=8, positions=40, batch=1)
+    w = World(hot_cache_rows=8, width=8, positions=40, batch=1)
     sel = torch.tensor([[[30, 5, -1, 17], [5, 2, 30, 39]]], dtype=torch.int32, device=DEVICE)
     _, miss_src, _, miss_count, _ = w.call(sel, [0])
     base = int(w.host_base[0])
@@ -176,7 +176,7 @@ def test_miss_sort_buckets(n_distinct, queries, sort_mid, monkeypatch):
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_SORT_MID", sort_mid)
     width = queries * 256
-    w = World(budget=64, width=width, positions=1000, batch=1, slots=1, page_size=64)
+    w = World(hot_cache_rows=64, width=width, positions=1000, batch=1, slots=1, page_size=64)
     g = torch.Generator().manual_seed(n_distinct)
     rows = torch.randperm(1000, generator=g)[:n_distinct]
     sel = rows[torch.randint(0, n_distinct, (width,), generator=g)]
@@ -192,7 +192,7 @@ def test_one_block_and_chunked_lru_paths(monkeypatch):
     monkeypatch.setattr(resolve_module, "_ONE_BLOCK_B", 2)
     monkeypatch.setattr(resolve_module, "_BLOCK_B", 4)
     monkeypatch.setattr(resolve_module, "_BLOCK_W", 4)
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=10, width=12, positions=40, slots=3, batch=2)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
@@ -202,7 +202,7 @@ def test_one_block_and_chunked_lru_paths(monkeypatch):
 @pytest.mark.parametrize("copy", [True, False])
 def test_resolve_copies_its_misses(copy):
     """host_rows/device_rows given: fused copy (or the gather launch) = gather_rows."""
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2, row_bytes=40)
+    w = World(hot_cache_rows=10, width=12, positions=40, slots=3, batch=2, row_bytes=40)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
@@ -218,7 +218,7 @@ def test_fused_copy_reads_early_words(early, step, monkeypatch):
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_EARLY_ELEMS", early)
     monkeypatch.setattr(resolve_module, "_COPY_ELEMS", step)
-    w = World(budget=6, width=16, positions=64, slots=3, batch=2, row_bytes=24, staging_extra=2)
+    w = World(hot_cache_rows=6, width=16, positions=64, slots=3, batch=2, row_bytes=24, staging_extra=2)
     w.warm(0, [1, 2, 3])
     for i in range(3):
         w.call(w.selections([0, 2], 2, 8, dup=0.2), [0, 2], context=f"step {i}", copy=True)
@@ -238,7 +238,7 @@ def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
         monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=6, width=12, positions=40, slots=3, batch=2, row_bytes=24, staging_extra=2)
+    w = World(hot_cache_rows=6, width=12, positions=40, slots=3, batch=2, row_bytes=24, staging_extra=2)
     storage = torch.zeros(w.n_dev_rows * 24, dtype=torch.uint8, device=DEVICE)
     # 12 + 12 bytes: 4-byte words, three in each plane
     planes = [storage[:w.n_dev_rows * 12].view(-1, 12), storage[w.n_dev_rows * 12:].view(-1, 12)]
@@ -271,7 +271,7 @@ def test_selections_past_the_length_read_nothing(many, monkeypatch):
         monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=6, width=12, positions=40, slots=3, batch=2, lengths=[40, 17, 9])
+    w = World(hot_cache_rows=6, width=12, positions=40, slots=3, batch=2, lengths=[40, 17, 9])
     w.make_direct(1, [0])
     w.warm(2, [1, 2])
     sel = w.selections([1, 2], 2, 6, pad=0.1, dup=0.2)
@@ -297,7 +297,7 @@ def test_many_programs_path(monkeypatch):
     monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=10, width=12, positions=40, slots=3, batch=2)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
@@ -308,11 +308,11 @@ def test_many_programs_path(monkeypatch):
 @given(data=st.data())
 def test_hypothesis_adversarial(data):
     """Small universes where collisions between hits, misses and padding are frequent."""
-    budget = data.draw(st.integers(0, 6), label="budget")
+    hot_cache_rows = data.draw(st.integers(0, 6), label="hot_cache_rows")
     positions = data.draw(st.integers(1, 12), label="positions")
     queries = data.draw(st.integers(1, 3), label="queries")
     top_k = data.draw(st.integers(1, 5), label="top_k")
-    w = World(slots=2, budget=budget, positions=positions, page_size=data.draw(st.integers(1, 4)),
+    w = World(slots=2, hot_cache_rows=hot_cache_rows, positions=positions, page_size=data.draw(st.integers(1, 4)),
               batch=2, width=queries * top_k, row_bytes=3)
     w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
     for step in range(data.draw(st.integers(1, 3), label="calls")):
@@ -357,7 +357,7 @@ def _good_args(w, n=2, queries=2, top_k=4):
     ("hot_pos", lambda a: a["hot_pos"].to("meta"), "device|meta"),
 ])
 def test_bad_input_names_the_argument(name, bad, needle):
-    w = World(budget=4, width=8, staging_extra=0)
+    w = World(hot_cache_rows=4, width=8, staging_extra=0)
     args = _good_args(w)
     args[name] = bad(args)
     with pytest.raises(ValueError, match=needle) as e:
@@ -366,7 +366,7 @@ def test_bad_input_names_the_argument(name, bad, needle):
 
 
 def test_cpu_tensors_need_interpreter(monkeypatch):
-    w = World(budget=4, width=8)
+    w = World(hot_cache_rows=4, width=8)
     args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="selections.*CUDA"):
@@ -376,7 +376,7 @@ def test_cpu_tensors_need_interpreter(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mismatched_devices_cuda():
-    w = World(budget=4, width=8)
+    w = World(hot_cache_rows=4, width=8)
     args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
     args["hot_stamp"] = args["hot_stamp"].cpu()
     with pytest.raises(ValueError, match="hot_stamp"):
@@ -389,7 +389,7 @@ def test_many_programs_warm_slots(monkeypatch):
     monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=10, width=12, positions=40, slots=3, batch=2)
     w.warm(1, [5, 6, 7])
     for step in range(3):
         w.call(w.selections([1, 0], 3, 4, dup=0.3), [1, 0], context=f"step {step}", copy=True)
@@ -402,7 +402,7 @@ def test_distinct_misses_get_locations_from_their_owner(many, monkeypatch):
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     if many:
         monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
-    w = World(budget=8, width=24, positions=200, slots=2, batch=2, page_size=8)
+    w = World(hot_cache_rows=8, width=24, positions=200, slots=2, batch=2, page_size=8)
     w.warm(0, [3, 4])
     w.make_direct(1, [0])
     g = torch.Generator().manual_seed(3)
@@ -444,7 +444,7 @@ def test_victims_are_the_oldest_slots_in_slot_order(layout, clock, misses, hit, 
     if layout == "many_programs":
         monkeypatch.setattr(mod, "_sm_count", lambda dev: 1)
         monkeypatch.setattr(mod, "_MANY_BLOCK_B", 4)
-    w = World(budget=12, width=16, positions=60, slots=2, batch=2, staging_extra=4)
+    w = World(hot_cache_rows=12, width=16, positions=60, slots=2, batch=2, staging_extra=4)
     w.warm(0, list(range(12)))  # slot b holds row b
     c = _wrap32(clock + 1)
     w.hot_clock[0] = clock

@@ -26,7 +26,7 @@ OUTPUTS = ("locations", "miss_src", "miss_dst", "miss_count", "counters")
 
 
 def make_world():
-    w = GuardedWorld(slots=4, budget=8, positions=48, page_size=4, width=12, batch=3,
+    w = GuardedWorld(slots=4, hot_cache_rows=8, positions=48, page_size=4, width=12, batch=3,
                      row_bytes=12, seed=7)
     w.make_direct(2, [1, 6])
     w.make_direct(3, [0])
@@ -242,12 +242,12 @@ def _direct_call(args, **kw):
     return got
 
 
-def _tables(n_slots, budget, positions, n_pages, page_size=4):
+def _tables(n_slots, hot_cache_rows, positions, n_pages, page_size=4):
     i32 = dict(dtype=torch.int32, device=DEVICE)
     return dict(page_table=torch.full((n_slots, n_pages), -1, **i32), page_size=page_size,
-                hot_pos=torch.full((n_slots, budget), -1, **i32),
-                hot_loc=torch.arange(n_slots * budget, **i32).view(n_slots, budget),
-                hot_stamp=torch.zeros(n_slots, budget, **i32),
+                hot_pos=torch.full((n_slots, hot_cache_rows), -1, **i32),
+                hot_loc=torch.arange(n_slots * hot_cache_rows, **i32).view(n_slots, hot_cache_rows),
+                hot_stamp=torch.zeros(n_slots, hot_cache_rows, **i32),
                 hot_clock=torch.zeros(n_slots, **i32),
                 hot_slot_of=torch.full((n_slots, positions), -1, **i32),
                 host_base=torch.zeros(n_slots, dtype=torch.int64, device=DEVICE))

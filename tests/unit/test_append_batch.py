@@ -9,9 +9,9 @@ from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from tests.hierarchy_faults import fail_next_backup
 from tests.hierarchy_invariants import check_invariants
 
-SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_rows=3,
+SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_cache_rows=3,
                 tail_pages=2, max_slots=5, max_rows=80),
-           dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_rows=2,
+           dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_cache_rows=2,
                 tail_pages=1, max_slots=5, max_rows=80, segments=(4, 1))]
 
 

@@ -14,7 +14,7 @@ PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
 def make(device_pages, tail_pages=1, sources=("s",), **knobs):
     pages = device_pages if isinstance(device_pages, dict) else dict.fromkeys(sources, device_pages)
     specs = [dict(name=n, row_bytes=W, page_size=PS, device_pages=pages[n], host_rows=400,
-                  hot_rows=B, tail_pages=tail_pages, max_slots=8, max_rows=40) for n in sources]
+                  hot_cache_rows=B, tail_pages=tail_pages, max_slots=8, max_rows=40) for n in sources]
     return KVHierarchy(specs, **knobs), {}
 
 
@@ -240,7 +240,7 @@ def test_reclaim_gathers_stay_alive_until_their_copy_ran():
     freed early would be handed to the next run's gather before the join read it."""
     ps, n = 64, 200  # history pages
     spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
-                device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_rows=ps, tail_pages=1,
+                device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_cache_rows=ps, tail_pages=1,
                 max_slots=2, max_rows=(n + 2) * ps)
     h = KVHierarchy([spec], device="cuda", run_pages=2)
     parts = h.sources["c"]
@@ -276,7 +276,7 @@ def test_repopulation_is_bounded_and_round_robin():
     check_invariants(h, truth)  # (c): no pending page is published
     counters = verify_resolves(h, truth, "r0")  # pending rows served through hot/host
     assert int(counters[COUNTER_DIRECT]) == 0
-    h.step()  # publishes both; budget 1 left above reserve -> r2 is next in the round
+    h.step()  # publishes both; room for 1 above reserve -> r2 is next in the round
     assert sorted(rec(h, "r0").optional) == [3] and sorted(rec(h, "r1").optional) == [1, 2, 3]
     assert sorted(rec(h, "r2").pending) == [2]
     h.step()
@@ -426,9 +426,9 @@ def test_optional_residency_off():
 
 
 def test_config_errors_name_the_value():
-    with pytest.raises(ValueError, match="hot_rows=0"):
+    with pytest.raises(ValueError, match="hot_cache_rows=0"):
         KVHierarchy([dict(name="s", row_bytes=3, page_size=2, device_pages=8, host_rows=40,
-                          hot_rows=0, tail_pages=1, max_slots=2, max_rows=20)])
+                          hot_cache_rows=0, tail_pages=1, max_slots=2, max_rows=20)])
     with pytest.raises(ValueError, match="reserve 6"):
         make(8, admission_reserve_pages=6)
     with pytest.raises(ValueError, match="largest_first"):

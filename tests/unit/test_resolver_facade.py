@@ -18,7 +18,7 @@ def rows(n, seed):
 @pytest.fixture
 def setup():
     """r_dev: all history on device; r_host: history reclaimed to host (tail holds the last row)."""
-    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=200, hot_rows=B,
+    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=200, hot_cache_rows=B,
                 tail_pages=1, max_slots=4, max_rows=30)
     h = KVHierarchy([spec], staging=dict(arenas=1, columns=8))  # required: 2 hot + 1 tail
     truth = {"r_host": {"s": rows(13, 1)}, "r_dev": {"s": rows(7, 2)}}
@@ -126,7 +126,7 @@ def test_unknown_request_and_source(setup):
 
 def test_overflow_needs_staging_when_none_reserved():
     h = KVHierarchy([dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=100,
-                          hot_rows=2, tail_pages=1, max_slots=2, max_rows=20)])
+                          hot_cache_rows=2, tail_pages=1, max_slots=2, max_rows=20)])
     assert h.admit("r", 20, {"s": rows(9, 0)})
     with pytest.raises(ValueError, match="staging_rows"):
         h.resolve("s", ["r"], sel([0, 1], [2, 3]))
@@ -168,7 +168,7 @@ def test_shared_retrieval_fetches_each_row_once(setup):
 def test_cuda_and_cuda_index_are_one_device():
     """Tables made on "cuda", selections on cuda:0 (what tensors report): one GPU."""
     h = KVHierarchy([dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=100,
-                          hot_rows=4, tail_pages=1, max_slots=2, max_rows=20)], device="cuda")
+                          hot_cache_rows=4, tail_pages=1, max_slots=2, max_rows=20)], device="cuda")
     assert h.admit("r", 20, {"s": rows(9, 0).cuda()})
     loc, c = h.resolve("s", ["r"], torch.tensor([[[0, 5, 8, -1]]], dtype=torch.int32,
                                                 device=torch.device("cuda", 0)))

@@ -27,7 +27,7 @@ def rows(n, seed):
 
 def spec(name, **kw):
     return dict(dict(name=name, row_bytes=W, page_size=PS, device_pages=12, host_rows=200,
-                     hot_rows=B, tail_pages=1, max_slots=2, max_rows=30, segments=(4, 1)), **kw)
+                     hot_cache_rows=B, tail_pages=1, max_slots=2, max_rows=30, segments=(4, 1)), **kw)
 
 
 def hierarchy(arenas=1, sources=("a", "b")):

@@ -89,7 +89,7 @@ class KVHierarchy:
                                   placed[s.name].arenas)
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
                                 max_slots=s.max_slots, max_rows=s.max_rows,
-                                hot_rows_per_slot=s.hot_rows, device=device)
+                                hot_cache_rows=s.hot_cache_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
                                   row_bytes=s.row_bytes, segments=s.segments, rows=rows,
                                   base_row=base)

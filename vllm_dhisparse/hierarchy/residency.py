@@ -103,7 +103,7 @@ class ResidencyManager:
         ps = pool.page_size
         self.source, self.pool, self.host = source, pool, host
         self.page_size = ps
-        self.hot_pages = -(-source.budget // ps)
+        self.hot_pages = -(-source.hot_cache_rows // ps)
         self.tail_pages = tail_pages
         self.required_per_request = self.hot_pages + tail_pages
         self.reserve = reserve_pages
@@ -214,7 +214,7 @@ class ResidencyManager:
         hot = pages[:self.hot_pages]
         tail = pages[self.hot_pages:]
         n = 0 if imported is None else imported.shape[0]
-        self.source.open_slot(req_id, self.pool.page_rows(hot)[:self.source.budget], host_base)
+        self.source.open_slot(req_id, self.pool.page_rows(hot)[:self.source.hot_cache_rows], host_base)
         rec = RequestPages(req_id, self._admissions, max_rows, n // self.page_size,
                            hot, tail[::-1])
         self._admissions += 1
@@ -272,15 +272,15 @@ class ResidencyManager:
 
     def repopulate(self, max_pages: int) -> int:
         """Issues up to ``max_pages`` page copies, one page per request per turn, round-robin
-        from a cursor that persists across calls (a small budget still reaches every
+        from a cursor that persists across calls (a small bound still reaches every
         request).  Pages stay pending, unpublished, until ``complete_populations``."""
         if not self.optional_residency or not self.requests:
             return 0
         order = list(self.requests)
-        budget = min(max_pages, self.pool.num_free - self.reserve)
+        limit = min(max_pages, self.pool.num_free - self.reserve)
         issued = idle = 0
         eligible: dict[str, list[int]] = {}  # listed once per call, on a request's first turn
-        while issued < budget and idle < len(order):
+        while issued < limit and idle < len(order):
             i = self._cursor % len(order)
             self._cursor = i + 1
             rec = self.requests[order[i]]

@@ -97,7 +97,7 @@ class Resolver:
 
     def staging_columns(self, n_queries: int, top_k: int) -> int:
         """Staging rows a request needs so any union fits: K*k - B (paper 3.3)."""
-        return max(0, n_queries * top_k - self.source.budget)
+        return max(0, n_queries * top_k - self.source.hot_cache_rows)
 
     def validate(self, req_ids: list[str], selections: torch.Tensor) -> torch.Tensor:
         src = self.source
@@ -113,8 +113,8 @@ class Resolver:
             raise ValueError(f"selections has {n} rows but {len(req_ids)} request ids were given")
         if len(set(req_ids)) != len(req_ids):
             raise ValueError(f"request ids must be distinct within one call, got {req_ids}")
-        if top_k > src.budget:
-            raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.budget} of source "
+        if top_k > src.hot_cache_rows:
+            raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.hot_cache_rows} of source "
                              f"{src.name!r}; B must be >= k")
         slot_ids = src.slots(req_ids)  # KeyError names an unknown id
         if selections.numel():
@@ -153,8 +153,8 @@ class Resolver:
         need = self.staging_columns(n_queries, top_k)
         if staging_rows is None:
             if need:
-                raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = {src.budget}: "
-                                 f"pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
+                raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = "
+                                 f"{src.hot_cache_rows}: pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
                                  f"KVHierarchy.resolve takes them from a held staging arena)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_loc,

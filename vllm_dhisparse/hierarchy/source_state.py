@@ -33,26 +33,26 @@ from .devices import canonical_device, host_index
 
 class SourceState:
     def __init__(self, *, name: str, row_bytes: int, page_size: int, max_slots: int,
-                 max_rows: int, hot_rows_per_slot: int, device: torch.device | str = "cpu"):
+                 max_rows: int, hot_cache_rows: int, device: torch.device | str = "cpu"):
         if row_bytes <= 0 or page_size <= 0 or max_slots <= 0 or max_rows <= 0:
             raise ValueError(
                 f"source {name!r}: row_bytes={row_bytes}, page_size={page_size}, "
                 f"max_slots={max_slots}, max_rows={max_rows} must all be > 0")
-        if hot_rows_per_slot <= 0:
-            raise ValueError(f"source {name!r}: hot_rows_per_slot={hot_rows_per_slot} must be > 0")
+        if hot_cache_rows <= 0:
+            raise ValueError(f"source {name!r}: hot_cache_rows={hot_cache_rows} must be > 0")
         self.name = name
         self.row_bytes = row_bytes
         self.page_size = page_size
         self.max_slots = max_slots
         self.max_rows = max_rows
-        self.budget = hot_rows_per_slot
+        self.hot_cache_rows = hot_cache_rows
         self.max_pages = -(-max_rows // page_size)
         self.device = canonical_device(device)
         i32 = dict(dtype=torch.int32, device=self.device)
         self.page_table = torch.full((max_slots, self.max_pages), -1, **i32)
-        self.hot_pos = torch.full((max_slots, self.budget), -1, **i32)
-        self.hot_loc = torch.full((max_slots, self.budget), -1, **i32)
-        self.hot_stamp = torch.zeros((max_slots, self.budget), **i32)
+        self.hot_pos = torch.full((max_slots, self.hot_cache_rows), -1, **i32)
+        self.hot_loc = torch.full((max_slots, self.hot_cache_rows), -1, **i32)
+        self.hot_stamp = torch.zeros((max_slots, self.hot_cache_rows), **i32)
         self.hot_clock = torch.zeros(max_slots, **i32)
         self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
         self.seq_lens = torch.zeros(max_slots, **i32)
@@ -69,8 +69,8 @@ class SourceState:
             raise ValueError(f"source {self.name!r}: request {req_id!r} already has a slot")
         if not self._free_slots:
             raise RuntimeError(f"source {self.name!r}: all {self.max_slots} slots in use")
-        if hot_loc.numel() != self.budget:
-            raise ValueError(f"source {self.name!r}: hot cache needs {self.budget} rows, "
+        if hot_loc.numel() != self.hot_cache_rows:
+            raise ValueError(f"source {self.name!r}: hot cache needs {self.hot_cache_rows} rows, "
                              f"got {hot_loc.numel()}")
         slot = self._free_slots.pop()
         self._slot_of[req_id] = slot

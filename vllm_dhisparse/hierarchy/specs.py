@@ -35,7 +35,7 @@ class SourceSpec:
     page_size: int  # rows per device page
     device_pages: int  # M of eq. 3 for this source
     host_rows: int  # host backing capacity (all requests)
-    hot_rows: int  # B: hot-cache rows per request
+    hot_cache_rows: int  # B: hot-cache rows per request
     tail_pages: int  # mutable-tail pages per request
     max_slots: int  # concurrent requests
     max_rows: int  # longest request history
@@ -43,7 +43,8 @@ class SourceSpec:
 
     def __post_init__(self):
         for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),
-                         ("hot_rows", 1), ("tail_pages", 1), ("max_slots", 1), ("max_rows", 1)):
+                         ("hot_cache_rows", 1), ("tail_pages", 1), ("max_slots", 1),
+                         ("max_rows", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"source {self.name!r}: {key}={value!r}; allowed: int >= {low}")

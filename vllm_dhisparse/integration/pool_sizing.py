@@ -76,7 +76,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
     plans = []
     for layer in layers:
         layer_rows = -(-max_model_len // layer.compress_ratio) + 1
-        hot = cfg.hot_rows_for(layer.top_k)
+        hot = cfg.hot_cache_rows_for(layer.top_k)
         fresh = -(-max_queries // layer.compress_ratio) + 1
         overflow = max(0, max_queries * layer.top_k - hot)
         page = layer.rows_per_block
@@ -103,7 +103,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
                 f"{cfg.admission_reserve_pages}; allowed >= {floor} (or 0 = auto)")
         plans.append(SourcePlan(SourceSpec(
             name=layer.name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
-            host_rows=host_rows, hot_rows=hot, tail_pages=cfg.tail_pages,
+            host_rows=host_rows, hot_cache_rows=hot, tail_pages=cfg.tail_pages,
             max_slots=max_num_seqs, max_rows=layer_rows,
             segments=layer.segments), fresh, overflow, floor))
     return plans

@@ -99,7 +99,7 @@ def resolve_reference(
     """
     n_batch, n_queries, top_k = selections.shape
     dev = selections.device
-    n_slots, budget = hot_pos.shape
+    n_slots, hot_cache_rows = hot_pos.shape
     max_pos = hot_slot_of.shape[1]
     max_pages = page_table.shape[1]
     width = n_queries * top_k
@@ -108,7 +108,7 @@ def resolve_reference(
     miss_dst = torch.full((n_batch, width), -1, dtype=torch.int32, device=dev)
     miss_count = torch.zeros(n_batch, dtype=torch.int32, device=dev)
     counters = torch.zeros(n_batch, NUM_COUNTERS, dtype=torch.int32, device=dev)
-    arange_b = torch.arange(budget, device=dev)
+    arange_b = torch.arange(hot_cache_rows, device=dev)
 
     for n in range(n_batch):
         slot = int(slot_ids[n])
@@ -133,8 +133,8 @@ def resolve_reference(
 
         # 2. hot cache: a hit needs the slot to point back at the row
         v = hot_slot_of[slot, pos].long()
-        v_in = (v >= 0) & (v < budget)
-        held = hot_pos[slot, v.clamp(0, max(budget - 1, 0))].long() if budget else v
+        v_in = (v >= 0) & (v < hot_cache_rows)
+        held = hot_pos[slot, v.clamp(0, max(hot_cache_rows - 1, 0))].long() if hot_cache_rows else v
         nondirect = valid & ~direct
         hot = nondirect & v_in & (held == pos)
         hso_bad = nondirect & (v != -1) & ~hot

@@ -650,12 +650,12 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_loc, hot_s
     if not isinstance(hot_pos, torch.Tensor) or hot_pos.dim() != 2:
         raise ValueError(f"hot_pos must be a 2-D tensor [S, B], got "
                          f"{list(hot_pos.shape) if isinstance(hot_pos, torch.Tensor) else hot_pos!r}")
-    n_slots, budget = hot_pos.shape
+    n_slots, hot_cache_rows = hot_pos.shape
     _check("slot_ids", slot_ids, torch.int32, (n_batch,), dev)
     _check("page_table", page_table, torch.int32, (n_slots, None), dev)
-    _check("hot_pos", hot_pos, torch.int32, (n_slots, budget), dev)
-    _check("hot_loc", hot_loc, torch.int32, (n_slots, budget), dev)
-    _check("hot_stamp", hot_stamp, torch.int32, (n_slots, budget), dev)
+    _check("hot_pos", hot_pos, torch.int32, (n_slots, hot_cache_rows), dev)
+    _check("hot_loc", hot_loc, torch.int32, (n_slots, hot_cache_rows), dev)
+    _check("hot_stamp", hot_stamp, torch.int32, (n_slots, hot_cache_rows), dev)
     _check("hot_clock", hot_clock, torch.int32, (n_slots,), dev)
     _check("hot_slot_of", hot_slot_of, torch.int32, (n_slots, None), dev)
     _check("staging_rows", staging_rows, torch.int32, (None, None), dev)
@@ -683,9 +683,9 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_loc, hot_s
             or not 0 <= first_device_row <= num_device_rows:
         raise ValueError(f"first_device_row must be an int in [0, num_device_rows = "
                          f"{num_device_rows}], got {first_device_row!r}")
-    need = max(0, width - budget)
+    need = max(0, width - hot_cache_rows)
     if staging_rows.shape[1] < need:
-        raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {budget} = "
+        raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {hot_cache_rows} = "
                          f"{need}, got {staging_rows.shape[1]}")
 
     copy = host_rows is not None or device_rows is not None
@@ -730,7 +730,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_loc, hot_s
     one_wave = n_batch <= _sm_count(dev)
     block_w = min(_BLOCK_W if one_wave else _MANY_BLOCK_W, triton.next_power_of_2(max(width, 1)))
     assert block_w <= 2048, "phase 1 packs five counts of a chunk into 12 bits each"
-    b_pad = triton.next_power_of_2(max(budget, 1))
+    b_pad = triton.next_power_of_2(max(hot_cache_rows, 1))
     if one_wave and b_pad <= _ONE_BLOCK_B:
         block_b = b_pad
     else:
@@ -767,17 +767,17 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_loc, hot_s
             locations, miss_src, miss_dst, miss_count, counters,
             scratch, max(scratch.stride(0), 1),
             copy_src, copy_dst, copy_dst2,
-            width, budget,
+            width, hot_cache_rows,
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
             BLOCK_B=block_b,
             ONE_CHUNK=width <= block_w,
-            ONE_B=budget <= block_b,
+            ONE_B=hot_cache_rows <= block_b,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             DST2_STRIDE=dst2_stride, SPLIT=split,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
-            EARLY_ELEMS=_EARLY_ELEMS if fused and budget <= block_b else 0,
+            EARLY_ELEMS=_EARLY_ELEMS if fused and hot_cache_rows <= block_b else 0,
             LENS=seq_lens is not None,
             num_warps=warps,
             num_stages=1,
