@@ -126,7 +126,7 @@ def hierarchy_specs(sources, tokens: int, page: int, sessions: int) -> list[dict
         per_session = -(-hot // page) + 1  # hot cache pages + one tail page
         specs.append(dict(name=name, row_bytes=rb, page_size=page, hot_cache_rows=hot, tail_pages=1,
                           device_pages=sessions * per_session, host_rows=sessions * rows,
-                          max_slots=sessions, max_rows=rows))
+                          max_req_slots=sessions, max_rows=rows))
     return specs
 
 

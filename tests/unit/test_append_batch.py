@@ -10,9 +10,9 @@ from tests.hierarchy_faults import fail_next_backup
 from tests.hierarchy_invariants import check_invariants
 
 SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_cache_rows=3,
-                tail_pages=2, max_slots=5, max_rows=80),
+                tail_pages=2, max_req_slots=5, max_rows=80),
            dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_cache_rows=2,
-                tail_pages=1, max_slots=5, max_rows=80, segments=(4, 1))]
+                tail_pages=1, max_req_slots=5, max_rows=80, segments=(4, 1))]
 
 
 def rows(n, width, seed):
@@ -75,10 +75,10 @@ def test_batch_equals_one_append_per_request(seed):
         if step % 3 != 2:  # some steps skip step(): tails fill up, the slow path flushes
             each.step()
             batch.step()
-        if step % 4 == 3:  # a request leaves, a new one takes its slot
+        if step % 4 == 3:  # a request leaves, a new one takes its request slot
             gone = ids.pop(int(torch.randint(0, len(ids), (1,), generator=g)))
             new = f"n{step}"
-            # about as long as the one that left: the slot's last tail page was at that length
+            # about as long as the one that left: the request slot's last tail page was at that length
             imported = {s["name"]: rows(max(1, truth[gone][s["name"]].shape[0]
                                             - int(torch.randint(0, 3, (1,), generator=g))),
                                         s["row_bytes"], 7 * step + j)

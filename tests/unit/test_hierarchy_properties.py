@@ -22,9 +22,9 @@ from vllm_dhisparse.hierarchy.reclaim_policies import RECLAIM_POLICIES
 # Small odd widths and page sizes; device pools small enough that admissions reclaim.
 SOURCES = [
     dict(name="a", row_bytes=3, page_size=2, device_pages=30, host_rows=180, hot_cache_rows=3,
-         tail_pages=1, max_slots=6, max_rows=30),  # K*k - B <= 4*2 - 3
+         tail_pages=1, max_req_slots=6, max_rows=30),  # K*k - B <= 4*2 - 3
     dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_cache_rows=4,
-         tail_pages=2, max_slots=6, max_rows=30,  # K*k - B <= 4*3 - 4
+         tail_pages=2, max_req_slots=6, max_rows=30,  # K*k - B <= 4*3 - 4
          segments=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
 ]
 MAX_K = {"a": 2, "b": 3}

@@ -116,7 +116,7 @@ def test_hierarchy_refuses_a_host_pool_larger_than_ram():
     rows = avail // 1000 + 1  # one more 1000-byte row than RAM holds: nothing is allocated
     with pytest.raises(ValueError, match="host_pool_gib.*GiB is available"):
         KVHierarchy([dict(name="s", row_bytes=1000, page_size=4, device_pages=4, host_rows=rows,
-                          hot_cache_rows=4, tail_pages=1, max_slots=1, max_rows=8)])
+                          hot_cache_rows=4, tail_pages=1, max_req_slots=1, max_rows=8)])
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,7 @@ PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
 def make(device_pages, tail_pages=1, sources=("s",), **knobs):
     pages = device_pages if isinstance(device_pages, dict) else dict.fromkeys(sources, device_pages)
     specs = [dict(name=n, row_bytes=W, page_size=PS, device_pages=pages[n], host_rows=400,
-                  hot_cache_rows=B, tail_pages=tail_pages, max_slots=8, max_rows=40) for n in sources]
+                  hot_cache_rows=B, tail_pages=tail_pages, max_req_slots=8, max_rows=40) for n in sources]
     return KVHierarchy(specs, **knobs), {}
 
 
@@ -43,7 +43,7 @@ def rec(h, req, source="s"):
 
 def verify_optional(h, req, pages, source="s"):
     assert sorted(rec(h, req, source).optional) == pages
-    table = h.sources[source].state.page_table[h.sources[source].state.slot(req)]
+    table = h.sources[source].state.page_table[h.sources[source].state.req_slot(req)]
     for p in pages:
         assert int(table[p]) >= 0, f"optional page {p} of {req} not published"
 
@@ -241,7 +241,7 @@ def test_reclaim_gathers_stay_alive_until_their_copy_ran():
     ps, n = 64, 200  # history pages
     spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
                 device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_cache_rows=ps, tail_pages=1,
-                max_slots=2, max_rows=(n + 2) * ps)
+                max_req_slots=2, max_rows=(n + 2) * ps)
     h = KVHierarchy([spec], device="cuda", run_pages=2)
     parts = h.sources["c"]
     held = parts.pool.allocate(parts.pool.num_free)
@@ -308,9 +308,9 @@ def test_a_reclaimed_request_is_repopulated_again():
     verify_resolves(h, truth, "r0")
 
 
-def test_a_readmitted_request_resolves_through_its_new_slot():
-    """Resolving the same batch again reuses its slot tensor; a slot that closed and
-    opened in between must not leave a stale one (a would read c's rows)."""
+def test_a_readmitted_request_resolves_through_its_new_request_slot():
+    """Resolving the same batch again reuses its request-slot tensor; a request slot that
+    closed and opened in between must not leave a stale one (a would read c's rows)."""
     h, truth = make(20)
     ids = ["a", "b"]
     assert admit(h, truth, "a", 4) and admit(h, truth, "b", 4)
@@ -325,7 +325,7 @@ def test_a_readmitted_request_resolves_through_its_new_slot():
     check()
     h.finish("a")
     truth.pop("a")
-    assert admit(h, truth, "c", 4)  # takes a's slot
+    assert admit(h, truth, "c", 4)  # takes a's request slot
     assert admit(h, truth, "a", 5)
     check()
     check_invariants(h, truth)
@@ -428,7 +428,7 @@ def test_optional_residency_off():
 def test_config_errors_name_the_value():
     with pytest.raises(ValueError, match="hot_cache_rows=0"):
         KVHierarchy([dict(name="s", row_bytes=3, page_size=2, device_pages=8, host_rows=40,
-                          hot_cache_rows=0, tail_pages=1, max_slots=2, max_rows=20)])
+                          hot_cache_rows=0, tail_pages=1, max_req_slots=2, max_rows=20)])
     with pytest.raises(ValueError, match="reserve 6"):
         make(8, admission_reserve_pages=6)
     with pytest.raises(ValueError, match="largest_first"):

@@ -20,7 +20,7 @@ Sources with the same row layout keep their pools in one device storage
 every row a layer's attention reads.
 
 Admission is all-or-nothing across sources: every source is planned first
-(slots, host extent, eq. 4 victims) and only when all can admit is anything
+(request slots, host extent, eq. 4 victims) and only when all can admit is anything
 reclaimed or allocated.  Nothing here reclaims or repopulates under a reader:
 ``resolve`` only reads the published tables and updates the hot cache.
 """
@@ -88,7 +88,7 @@ class KVHierarchy:
             rows, base, arenas = (placed[s.name].rows, placed[s.name].base_row,
                                   placed[s.name].arenas)
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
-                                max_slots=s.max_slots, max_rows=s.max_rows,
+                                max_req_slots=s.max_req_slots, max_rows=s.max_rows,
                                 hot_cache_rows=s.hot_cache_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
                                   row_bytes=s.row_bytes, segments=s.segments, rows=rows,

@@ -146,7 +146,7 @@ class ResidencyManager:
     # -- admission ------------------------------------------------------------------
     def plan_admission(self, max_rows: int) -> AdmissionPlan | None:
         """What admitting a request would reclaim (eq. 4), or None = wait.  Changes nothing."""
-        if len(self.source.open_requests) >= self.source.max_slots:
+        if len(self.source.open_requests) >= self.source.max_req_slots:
             return None
         if not self.host.can_allocate(max_rows):
             return None
@@ -178,7 +178,7 @@ class ResidencyManager:
         self.counters.host_pages_written += len(unbacked)
         self._settled.discard(req_id)  # its dropped pages are eligible again
         # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
-        self.source.unpublish_pages(self.source.slot(req_id), list(rec.optional))
+        self.source.unpublish_pages(self.source.req_slot(req_id), list(rec.optional))
         self._wait_populations(rec)  # pending pages are host-backed already; just drop them
         pages = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
         rec.optional.clear()
@@ -202,7 +202,7 @@ class ResidencyManager:
         return pages[~self._complete_pages(rec)[pages]].tolist()
 
     def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None) -> RequestPages:
-        """Reserves required pages, opens the slot and places imported history.
+        """Reserves required pages, opens the request slot and places imported history.
 
         Call after ``plan_admission`` returned a plan and its victims were reclaimed.
         """
@@ -214,7 +214,8 @@ class ResidencyManager:
         hot = pages[:self.hot_pages]
         tail = pages[self.hot_pages:]
         n = 0 if imported is None else imported.shape[0]
-        self.source.open_slot(req_id, self.pool.page_rows(hot)[:self.source.hot_cache_rows], host_base)
+        hot_loc = self.pool.page_rows(hot)[:self.source.hot_cache_rows]
+        self.source.open_req_slot(req_id, hot_loc, host_base)
         rec = RequestPages(req_id, self._admissions, max_rows, n // self.page_size,
                            hot, tail[::-1])
         self._admissions += 1
@@ -240,7 +241,7 @@ class ResidencyManager:
                 self.pool.write(self.pool.page_rows(chunk), imported[first:first + len(chunk) * ps])
             kept = list(range(first_kept, full))
             rec.optional.update(zip(kept, dev_pages))
-            self.source.publish_pages([self.source.slot(rec.req_id)] * keep, kept,
+            self.source.publish_pages([self.source.req_slot(rec.req_id)] * keep, kept,
                                       [self.pool.first_row(d) for d in dev_pages])
         if self.eager_backup:
             self._write_host(rec, imported, first_kept * ps, full * ps)
@@ -311,24 +312,24 @@ class ResidencyManager:
     def complete_populations(self) -> int:
         """Publishes pending pages whose copy has finished (polled: a copy still in flight
         stays pending, its rows served by hot cache / host meanwhile)."""
-        slots, pages, rows = [], [], []
+        req_slots, pages, rows = [], [], []
         for rec in list(self._populating.values()):
-            slot = self.source.slot(rec.req_id)
+            req_slot = self.source.req_slot(rec.req_id)
             for page in sorted(page for page, p in rec.pending.items() if p.transfer.done()):
                 p = rec.pending.pop(page)
                 rec.optional[page] = p.device_page
-                slots.append(slot)
+                req_slots.append(req_slot)
                 pages.append(page)
                 rows.append(self.pool.first_row(p.device_page))
             if not rec.pending:
                 del self._populating[rec.req_id]
-        self.source.publish_pages(slots, pages, rows)  # one write for every page
+        self.source.publish_pages(req_slots, pages, rows)  # one write for every page
         self.counters.pages_repopulated += len(pages)
         return len(pages)
 
     # -- release ----------------------------------------------------------------------
     def release(self, req_id: str) -> None:
-        """Completion / preemption: device pages, slot and host extent all go back."""
+        """Completion / preemption: device pages, request slot and host extent all go back."""
         rec = self.request(req_id)
         for _, pending in rec.backups:  # copies still reading tail pages must finish first
             pending.transfer.wait()
@@ -338,7 +339,7 @@ class ResidencyManager:
         self._settled.discard(req_id)
         self.tail.forget(req_id)
         self.pool.free(rec.owned_pages())
-        self.source.close_slot(req_id)
+        self.source.close_req_slot(req_id)
         self.host.free(req_id)
 
 

@@ -116,14 +116,14 @@ class Resolver:
         if top_k > src.hot_cache_rows:
             raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.hot_cache_rows} of source "
                              f"{src.name!r}; B must be >= k")
-        slot_ids = src.slots(req_ids)  # KeyError names an unknown id
+        req_slots = src.req_slot_tensor(req_ids)  # KeyError names an unknown id
         if selections.numel():
             # One host sync per call stays: a bad row must raise before the kernels index
             # with it, and the vLLM hook cannot check once per step, since every sparse
             # layer's indexer writes its own top-k (and this step's rows are masked per
             # source).  One pass (per-request min / max), one read; the error path alone
             # looks for the first bad element.
-            lens = src.seq_lens[slot_ids.long()]  # [N]
+            lens = src.seq_lens[req_slots.long()]  # [N]
             lo, hi = torch.aminmax(selections.reshape(n, -1), dim=1)  # [N]
             if ((lo < -1) | (hi >= lens)).any().item():
                 lens = lens.view(n, 1, 1)
@@ -133,7 +133,7 @@ class Resolver:
                     f"selection {int(selections[b, q, i])} at [{b}, {q}, {i}] (request "
                     f"{req_ids[b]!r}) is outside [0, {int(lens[b, 0, 0])}) rows of source "
                     f"{src.name!r}; -1 is the only allowed padding")
-        return slot_ids
+        return req_slots
 
     def resolve(self, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):
@@ -146,9 +146,9 @@ class Resolver:
         """
         src = self.source
         if validate:
-            slot_ids = self.validate(req_ids, selections)
+            req_slots = self.validate(req_ids, selections)
         else:
-            slot_ids = src.slots(req_ids)
+            req_slots = src.req_slot_tensor(req_ids)
         n, n_queries, top_k = selections.shape
         need = self.staging_columns(n_queries, top_k)
         if staging_rows is None:
@@ -157,7 +157,7 @@ class Resolver:
                                  f"{src.hot_cache_rows}: pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
                                  f"KVHierarchy.resolve takes them from a held staging arena)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
-        args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_loc,
+        args = (selections, req_slots, src.page_table, src.page_size, src.hot_pos, src.hot_loc,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
         bounds = dict(self._bounds, seq_lens=src.seq_lens)
         if self.backend == "triton":

@@ -37,13 +37,13 @@ class SourceSpec:
     host_rows: int  # host backing capacity (all requests)
     hot_cache_rows: int  # B: hot-cache rows per request
     tail_pages: int  # mutable-tail pages per request
-    max_slots: int  # concurrent requests
+    max_req_slots: int  # request slots: concurrent requests
     max_rows: int  # longest request history
     segments: tuple[int, ...] | None = None  # row split into planes (DevicePagePool), None = whole
 
     def __post_init__(self):
         for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),
-                         ("hot_cache_rows", 1), ("tail_pages", 1), ("max_slots", 1),
+                         ("hot_cache_rows", 1), ("tail_pages", 1), ("max_req_slots", 1),
                          ("max_rows", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -65,10 +65,10 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class StagingSpec:
-    """chi arenas, each ``columns`` rows per request slot (``max_slots`` of the sources):
+    """chi arenas, each ``columns`` rows per batch row (``max_req_slots`` of the sources):
     ``K_max * k - B`` overflow rows plus the rows a step computes (paper eq. 11)."""
     arenas: int  # chi: payload sources whose attention is live at once (1: one after another)
-    columns: int  # rows per request slot in one arena
+    columns: int  # rows per batch row in one arena
 
     def __post_init__(self):
         for key in ("arenas", "columns"):
@@ -96,7 +96,7 @@ def device_rows_per_group(specs: list[SourceSpec], staging: StagingSpec | None
     out = {}
     for layout, members in layout_groups(specs).items():
         pools = sum(s.device_pages * s.page_size for s in members)
-        arena = staging.arenas * max(s.max_slots for s in members) * staging.columns \
+        arena = staging.arenas * max(s.max_req_slots for s in members) * staging.columns \
             if staging else 0
         out[layout] = (pools, arena)
     return out

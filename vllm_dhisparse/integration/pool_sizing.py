@@ -104,7 +104,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
         plans.append(SourcePlan(SourceSpec(
             name=layer.name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
             host_rows=host_rows, hot_cache_rows=hot, tail_pages=cfg.tail_pages,
-            max_slots=max_num_seqs, max_rows=layer_rows,
+            max_req_slots=max_num_seqs, max_rows=layer_rows,
             segments=layer.segments), fresh, overflow, floor))
     return plans
 
@@ -118,7 +118,7 @@ def staging_sizes(plans: list[SourcePlan], staging: StagingSpec | None, layers: 
                   k_max: int) -> dict:
     """Verification staging: the arenas' bytes next to eq. 11's bound
     ``M_stage = chi * N * K_max * k * d_KV`` for the widest source."""
-    n = plans[0].spec.max_slots if plans else 0
+    n = plans[0].spec.max_req_slots if plans else 0
     chi = staging.arenas if staging else 0
     arena = device_pool_bytes(plans, staging) - device_pool_bytes(plans, None)
     widest = max((layer.top_k * layer.row_bytes for layer in layers), default=0)
