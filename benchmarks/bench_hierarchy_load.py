@@ -60,7 +60,8 @@ def build(cfg: dict, dev: torch.device, resident: float, repopulate: int):
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + int(resident * n * (hist // ps)),
                           host_rows=(n + m) * max_rows, hot_cache_rows=budget, tail_pages=2,
-                          max_req_slots=n + m, max_rows=max_rows, segments=cfg["segments"]))
+                          max_req_slots=n + m, max_rows=max_rows,
+                          plane_bytes=cfg["plane_bytes"]))
     h = KVHierarchy(specs, device=dev, repopulate_pages_per_step=repopulate)
     g = torch.Generator(device=dev).manual_seed(n)
     truth = {s: torch.randint(0, 256, (n + m, max_rows, cfg["row_bytes"]), generator=g,

@@ -46,10 +46,10 @@ import common as C  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
 
-FULL = dict(batches=(16, 64, 256, 512), top_k=512, row_bytes=584, segments=(576, 8),
+FULL = dict(batches=(16, 64, 256, 512), top_k=512, row_bytes=584, plane_bytes=(576, 8),
             budgets=(8192, 4096, 4096, 4096), layers=(5, 1, 1, 1), page_size=64,
             history=8192, steps=12, warmup=3, check_steps=2, check_sessions=8)
-SMOKE = dict(batches=(2, 4), top_k=8, row_bytes=12, segments=(8, 4), budgets=(16, 8, 8, 8),
+SMOKE = dict(batches=(2, 4), top_k=8, row_bytes=12, plane_bytes=(8, 4), budgets=(16, 8, 8, 8),
              layers=(2, 1, 1, 1), page_size=4, history=64, steps=3, warmup=1, check_steps=2,
              check_sessions=4)
 SOURCES = ("c4a", "src1", "src2", "src3")
@@ -77,7 +77,7 @@ def build(cfg: dict, n: int, dev: torch.device, resident: float):
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + optional, host_rows=n * max_rows,
                           hot_cache_rows=budget, tail_pages=2, max_req_slots=n, max_rows=max_rows,
-                          segments=cfg["segments"]))
+                          plane_bytes=cfg["plane_bytes"]))
     h = KVHierarchy(specs, device=dev)
     # drawn on the device: at 128K context and 512 sessions the truth is ~40 GB
     g = torch.Generator(device=dev).manual_seed(n)

@@ -12,7 +12,7 @@ from tests.hierarchy_invariants import check_invariants
 SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_cache_rows=3,
                 tail_pages=2, max_req_slots=5, max_rows=80),
            dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_cache_rows=2,
-                tail_pages=1, max_req_slots=5, max_rows=80, segments=(4, 1))]
+                tail_pages=1, max_req_slots=5, max_rows=80, plane_bytes=(4, 1))]
 
 
 def rows(n, width, seed):

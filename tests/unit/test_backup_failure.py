@@ -11,7 +11,7 @@ SOURCES = [
     dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=200, hot_cache_rows=3,
          tail_pages=1, max_req_slots=4, max_rows=40),
     dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=200, hot_cache_rows=4,
-         tail_pages=2, max_req_slots=4, max_rows=40, segments=(4, 1)),
+         tail_pages=2, max_req_slots=4, max_rows=40, plane_bytes=(4, 1)),
 ]
 
 

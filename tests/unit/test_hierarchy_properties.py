@@ -25,7 +25,7 @@ SOURCES = [
          tail_pages=1, max_req_slots=6, max_rows=30),  # K*k - B <= 4*2 - 3
     dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_cache_rows=4,
          tail_pages=2, max_req_slots=6, max_rows=30,  # K*k - B <= 4*3 - 4
-         segments=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
+         plane_bytes=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
 ]
 MAX_K = {"a": 2, "b": 3}
 STAGING = dict(arenas=1, columns=8)  # one arena per row layout, the widest overflow

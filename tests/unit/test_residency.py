@@ -239,7 +239,7 @@ def test_reclaim_gathers_stay_alive_until_their_copy_ran():
     on the copy stream; with the copy stream busy (earlier backups), a gathered buffer
     freed early would be handed to the next run's gather before the join read it."""
     ps, n = 64, 200  # history pages
-    spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
+    spec = dict(name="c", row_bytes=584, page_size=ps, plane_bytes=(576, 8),
                 device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_cache_rows=ps, tail_pages=1,
                 max_req_slots=2, max_rows=(n + 2) * ps)
     h = KVHierarchy([spec], device="cuda", run_pages=2)

@@ -27,7 +27,7 @@ def rows(n, seed):
 
 def spec(name, **kw):
     return dict(dict(name=name, row_bytes=W, page_size=PS, device_pages=12, host_rows=200,
-                     hot_cache_rows=B, tail_pages=1, max_req_slots=2, max_rows=30, segments=(4, 1)), **kw)
+                     hot_cache_rows=B, tail_pages=1, max_req_slots=2, max_rows=30, plane_bytes=(4, 1)), **kw)
 
 
 def hierarchy(arenas=1, sources=("a", "b")):
@@ -180,7 +180,7 @@ def test_arenas_are_allocated_once_per_layout_and_no_pool_reserves_staging():
     assert len(h.device_rows) == 1  # one storage: the attention op reads one tensor
     for parts in h.sources.values():
         assert parts.residency.required_per_request == -(-B // PS) + 1  # hot + tail only
-    mixed = KVHierarchy([spec("a"), spec("w", row_bytes=7, segments=None)],
+    mixed = KVHierarchy([spec("a"), spec("w", row_bytes=7, plane_bytes=None)],
                         staging=dict(arenas=1, columns=COLUMNS))
     assert len(mixed.device_rows) == 2 and len(mixed.staging) == 2  # one per row layout
     assert mixed.sources["a"].arenas is not mixed.sources["w"].arenas

@@ -91,11 +91,11 @@ class KVHierarchy:
                                 max_req_slots=s.max_req_slots, max_rows=s.max_rows,
                                 hot_cache_rows=s.hot_cache_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
-                                  row_bytes=s.row_bytes, segments=s.segments, rows=rows,
+                                  row_bytes=s.row_bytes, plane_bytes=s.plane_bytes, rows=rows,
                                   base_row=base)
             host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows,
                              copies=self.copies)
-            resolver = Resolver(state, pool.segments, host.rows, backend=backend,
+            resolver = Resolver(state, pool.planes, host.rows, backend=backend,
                                 row_range=pool.row_range)
             residency = ResidencyManager(
                 state, pool, host, tail_pages=s.tail_pages,

@@ -59,8 +59,8 @@ class ResolverTotals:
 class Resolver:
     def __init__(self, source: SourceState, device_rows, host_rows: torch.Tensor,
                  backend: str = "auto", row_range: tuple[int, int] | None = None):
-        """``device_rows``: the pool's row tensor ``uint8 [R, row_bytes]``, or its segment
-        planes ``[(first byte, uint8 [R, seg_bytes]), ...]`` (see ``DevicePagePool``).
+        """``device_rows``: the pool's row tensor ``uint8 [R, row_bytes]``, or its planes
+        ``[(first byte, uint8 [R, plane bytes]), ...]`` (see ``DevicePagePool``).
         ``row_range``: the rows ``[first, end)`` of them that are this source's (a pool
         in a shared storage); page table entries outside it are repaired, never read."""
         if isinstance(device_rows, torch.Tensor):
@@ -68,7 +68,7 @@ class Resolver:
         widths = [plane.shape[1] if plane.dim() == 2 else -1 for _, plane in device_rows]
         if any(p.dtype != torch.uint8 or p.dim() != 2 for _, p in device_rows) \
                 or sum(widths) != source.row_bytes:
-            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}] (or segment planes "
+            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}] (or planes "
                              f"summing to it), got widths {widths}")
         if host_rows.dtype != torch.uint8 or host_rows.dim() != 2 \
                 or host_rows.shape[1] != source.row_bytes:

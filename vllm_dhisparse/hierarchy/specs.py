@@ -39,7 +39,7 @@ class SourceSpec:
     tail_pages: int  # mutable-tail pages per request
     max_req_slots: int  # request slots: concurrent requests
     max_rows: int  # longest request history
-    segments: tuple[int, ...] | None = None  # row split into planes (DevicePagePool), None = whole
+    plane_bytes: tuple[int, ...] | None = None  # bytes of each plane of a row, None = one plane
 
     def __post_init__(self):
         for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),
@@ -60,7 +60,7 @@ class SourceSpec:
     @property
     def layout(self) -> tuple[int, ...]:
         """Byte planes of a row; sources with equal layouts share one device storage."""
-        return tuple(self.segments) if self.segments else (self.row_bytes,)
+        return tuple(self.plane_bytes) if self.plane_bytes else (self.row_bytes,)
 
 
 @dataclass(frozen=True)
