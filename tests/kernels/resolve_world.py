@@ -56,7 +56,8 @@ class World:
                                        dtype=torch.uint8).to(DEVICE)
         self.host_base = (torch.randperm(req_slots, generator=g) * positions).to(DEVICE)
         self.device_rows = torch.zeros(self.n_dev_rows, row_bytes, dtype=torch.uint8, device=DEVICE)
-        self.hot_loc = (torch.randperm(n_hot, generator=g).int().view(req_slots, hot_cache_rows)).to(DEVICE)
+        self.hot_loc = torch.randperm(n_hot, generator=g).int().view(req_slots, hot_cache_rows) \
+            .to(DEVICE)
         page_starts = n_hot + torch.randperm(req_slots * n_pages, generator=g).int() * page_size
         self.page_starts = page_starts.view(req_slots, n_pages).to(DEVICE)
         self.page_table = torch.full((req_slots, n_pages), -1, dtype=torch.int32, device=DEVICE)

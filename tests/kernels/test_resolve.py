@@ -312,8 +312,8 @@ def test_hypothesis_adversarial(data):
     positions = data.draw(st.integers(1, 12), label="positions")
     queries = data.draw(st.integers(1, 3), label="queries")
     top_k = data.draw(st.integers(1, 5), label="top_k")
-    w = World(req_slots=2, hot_cache_rows=hot_cache_rows, positions=positions, page_size=data.draw(st.integers(1, 4)),
-              batch=2, width=queries * top_k, row_bytes=3)
+    w = World(req_slots=2, hot_cache_rows=hot_cache_rows, positions=positions,
+              page_size=data.draw(st.integers(1, 4)), batch=2, width=queries * top_k, row_bytes=3)
     w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
     for step in range(data.draw(st.integers(1, 3), label="calls")):
         rows = data.draw(st.lists(st.integers(-1, positions - 1), min_size=2 * queries * top_k,

@@ -154,8 +154,9 @@ class Resolver:
         if staging_rows is None:
             if need:
                 raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = "
-                                 f"{src.hot_cache_rows}: pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
-                                 f"KVHierarchy.resolve takes them from a held staging arena)")
+                                 f"{src.hot_cache_rows}: pass staging_rows [N, >= {need}] int32 "
+                                 f"(device rows for overflow; KVHierarchy.resolve takes them "
+                                 f"from a held staging arena)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
         args = (selections, req_slots, src.page_table, src.page_size, src.hot_pos, src.hot_loc,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)

@@ -39,8 +39,8 @@ class ArenaLease:
         self.index = index
         self.released = False
         n = arenas.batch_rows
-        self._overflow = np.zeros(n, dtype=np.int64)  # [batch_rows] columns handed out per batch row
-        self._fresh = np.zeros(n, dtype=np.int64)  # [batch_rows] fresh rows handed out per batch row
+        self._overflow = np.zeros(n, dtype=np.int64)  # [batch_rows] columns handed out
+        self._fresh = np.zeros(n, dtype=np.int64)  # [batch_rows] fresh rows handed out
 
     @property
     def rows_used(self) -> int:
@@ -99,8 +99,9 @@ class StagingArenas:
             raise ValueError(f"staging arenas: arenas={arenas}, batch_rows={batch_rows}, "
                              f"columns={columns} must all be >= 1")
         if base_row < 0 or base_row + arenas * batch_rows * columns > rows.num_rows:
-            raise ValueError(f"staging arenas: {arenas} x {batch_rows} x {columns} rows at row {base_row} "
-                             f"do not fit shared storage {rows.name!r} ({rows.num_rows} rows)")
+            raise ValueError(f"staging arenas: {arenas} x {batch_rows} x {columns} rows at row "
+                             f"{base_row} do not fit shared storage {rows.name!r} "
+                             f"({rows.num_rows} rows)")
         self.rows = rows
         self.base_row = base_row
         self.arenas, self.batch_rows, self.columns = arenas, batch_rows, columns
