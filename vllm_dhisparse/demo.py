@@ -57,10 +57,11 @@ def server_command(model: str, port: int, extra: dict | None, max_model_len: int
 
 def server_args(max_model_len: int) -> list[str]:
     """The demo and test servers' engine arguments (the platform's, on CPU: eager, 256-token
-    blocks, a fifth of RAM for KV)."""
+    blocks, 1 GiB of KV memory: in bytes, since a fraction of RAM is less the worker's
+    resident memory, which varies from machine to machine)."""
     args = ["--max-model-len", str(max_model_len), "--seed", "0"]
     if _on_cpu():
-        args += ["--enforce-eager", "--block-size", "256", "--gpu-memory-utilization", "0.2",
+        args += ["--enforce-eager", "--block-size", "256", "--kv-cache-memory-bytes", "1G",
                  "--max-num-seqs", "8"]
     return args
 

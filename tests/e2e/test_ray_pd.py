@@ -36,9 +36,10 @@ pytestmark = pytest.mark.e2e
 
 LENS = [900, 2000]
 MAX_TOKENS = 6
-# three engines on one host: a small KV share each (on CPU the fraction is of RAM)
+# three engines on one host: 1 GiB of KV memory each, in bytes (on CPU a fraction is of
+# RAM less the worker's resident memory, which varies by machine)
 ENGINE = dict(enforce_eager=True, block_size=256, max_model_len=8192, max_num_seqs=8, seed=0,
-              gpu_memory_utilization=0.08)
+              kv_cache_memory_bytes=2**30)
 # short enough for the fault test to watch an orphaned handoff expire, far longer than a
 # decode replica takes to pull what it asked for
 LEASE_S = 20.0

