@@ -59,8 +59,9 @@ def build(cfg: dict, dev: torch.device, resident: float, repopulate: int):
         per_req = -(-budget // ps) + 2  # hot, tail
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + int(resident * n * (hist // ps)),
-                          host_rows=(n + m) * max_rows, hot_rows=budget, tail_pages=2,
-                          max_slots=n + m, max_rows=max_rows, segments=cfg["segments"]))
+                          host_rows=(n + m) * max_rows, hot_cache_rows=budget, tail_pages=2,
+                          max_req_slots=n + m, max_rows=max_rows,
+                          plane_bytes=cfg["plane_bytes"]))
     h = KVHierarchy(specs, device=dev, repopulate_pages_per_step=repopulate)
     g = torch.Generator(device=dev).manual_seed(n)
     truth = {s: torch.randint(0, 256, (n + m, max_rows, cfg["row_bytes"]), generator=g,
@@ -116,7 +117,7 @@ def decode_step(h, cfg, phase: Phase, truth, step_no: int, dev, positions) -> st
         who = torch.arange(len(ids), device=dev)
         for s in S.SOURCES:
             st = h.source(s).state
-            pos = torch.from_numpy(st.seq_lens_of(st.slot_array(ids))).to(dev, non_blocking=True)
+            pos = torch.from_numpy(st.seq_lens_of(st.req_slot_array(ids))).to(dev, non_blocking=True)
             failed = h.append_batch(s, ids, truth[s][who, pos])
             if failed:
                 raise RuntimeError(f"append_batch to {s} failed for {failed}")

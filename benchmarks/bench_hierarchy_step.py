@@ -46,10 +46,10 @@ import common as C  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
 
-FULL = dict(batches=(16, 64, 256, 512), top_k=512, row_bytes=584, segments=(576, 8),
+FULL = dict(batches=(16, 64, 256, 512), top_k=512, row_bytes=584, plane_bytes=(576, 8),
             budgets=(8192, 4096, 4096, 4096), layers=(5, 1, 1, 1), page_size=64,
             history=8192, steps=12, warmup=3, check_steps=2, check_sessions=8)
-SMOKE = dict(batches=(2, 4), top_k=8, row_bytes=12, segments=(8, 4), budgets=(16, 8, 8, 8),
+SMOKE = dict(batches=(2, 4), top_k=8, row_bytes=12, plane_bytes=(8, 4), budgets=(16, 8, 8, 8),
              layers=(2, 1, 1, 1), page_size=4, history=64, steps=3, warmup=1, check_steps=2,
              check_sessions=4)
 SOURCES = ("c4a", "src1", "src2", "src3")
@@ -76,8 +76,8 @@ def build(cfg: dict, n: int, dev: torch.device, resident: float):
         optional = int(resident * n * (hist // ps))
         specs.append(dict(name=name, row_bytes=cfg["row_bytes"], page_size=ps,
                           device_pages=n * per_req + optional, host_rows=n * max_rows,
-                          hot_rows=budget, tail_pages=2, max_slots=n, max_rows=max_rows,
-                          segments=cfg["segments"]))
+                          hot_cache_rows=budget, tail_pages=2, max_req_slots=n, max_rows=max_rows,
+                          plane_bytes=cfg["plane_bytes"]))
     h = KVHierarchy(specs, device=dev)
     # drawn on the device: at 128K context and 512 sessions the truth is ~40 GB
     g = torch.Generator(device=dev).manual_seed(n)
@@ -98,7 +98,7 @@ def selection_plan(h, cfg: dict, ids: list, seed: int):
     for s, layers in zip(SOURCES, cfg["layers"]):
         st = h.source(s).state
         ps = st.page_size
-        ready = (st.page_table[[st.slot(r) for r in ids]] >= 0).cpu()  # [n, pages]
+        ready = (st.page_table[[st.req_slot(r) for r in ids]] >= 0).cpu()  # [n, pages]
         for layer in range(layers):
             plans[(s, layer)] = (ready, ps, torch.randint(0, 2**31 - 1, (1,), generator=g).item())
     return plans
@@ -194,7 +194,7 @@ def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: floa
     if graph is not None:  # this step's selections into the captured inputs, one replay
         g, inputs, outputs, stacked, slots = graph
         for s, captured in slots.items():  # a slot opened or closed would free them
-            if h.source(s).state.slots(ids) is not captured:
+            if h.source(s).state.req_slot_tensor(ids) is not captured:
                 raise RuntimeError(f"{s}: the batch's slot tensor changed since capture")
         inputs.copy_(stacked[step_no % stacked.shape[0]])
         g.replay()
@@ -246,7 +246,7 @@ def capture_resolves(h, cfg, ids, plans):
     # synchronisation still fails the capture, and warm-up replays are checked
     with torch.cuda.graph(g, capture_error_mode="relaxed"):
         outputs = [h.resolve(s, ids, inputs[i], validate=False)[0] for i, (s, _) in enumerate(keys)]
-    slots = {s: h.source(s).state.slots(ids) for s, _ in keys}  # what the graph reads
+    slots = {s: h.source(s).state.req_slot_tensor(ids) for s, _ in keys}  # what the graph reads
     return g, inputs, outputs, stacked, slots
 
 

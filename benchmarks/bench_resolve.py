@@ -88,10 +88,10 @@ def run_miss_path(cfg, resolve_fn, gather_fn, dev, failures, graph) -> list:
         host = C.pinned_rows(n * max_rows, row_bytes, seed=row_bytes)
         for k in cfg["miss_topk"]:
             budget, rows = 2 * k, 16 * k
-            st = C.build_state(n_slots=n, rows=rows, row_bytes=row_bytes, budget=budget,
+            st = C.build_state(n_req_slots=n, rows=rows, row_bytes=row_bytes, budget=budget,
                                staging_cols=n_q * k - budget, page_size=cfg["page_size"],
                                host_rows=host, dev=dev, seed=k)
-            slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
+            req_slots = torch.arange(n, dtype=torch.int32, device=dev)
             cases = [("cold", f) for f in cfg["overlaps"]] + [("retained", 1.0)]
             for cache, f in cases:
                 sel = _selections_overlap(n, n_q, k, rows, f, seed=int(f * 100) + k).to(dev)
@@ -100,12 +100,12 @@ def run_miss_path(cfg, resolve_fn, gather_fn, dev, failures, graph) -> list:
                     C.make_hot(st, [sel[r, 0].long() for r in range(n)])
                 st.save()
                 name = f"miss row={row_bytes} k={k} {cache} overlap={f:.2f}"
-                chk = C.check_against_reference(st, sel, slot_ids, resolve_fn, gather_fn)
+                chk = C.check_against_reference(st, sel, req_slots, resolve_fn, gather_fn)
                 _check_or_die(name, chk, failures)
                 miss_bytes = chk["unique_misses"] * row_bytes
 
                 def call(sel=sel, st=st):
-                    C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
+                    C.resolve_and_copy(resolve_fn, gather_fn, st, sel, req_slots)
 
                 t = C.time_gpu(call, setup=st.restore, reps=cfg["miss_reps"], graph=graph)
                 s = t.summary()
@@ -150,7 +150,7 @@ def _nomiss_state(cfg, host, n, budget, mode, dev, seed):
     # direct rows [0, half): as many as leave room above for the hot cache and the misses
     half = min(rows // 2, rows - 1 - budget - m) // ps * ps
     assert half >= k, f"nm_rows={rows} too small for B={budget}"
-    st = C.build_state(n_slots=n, rows=rows, row_bytes=cfg["nm_row_bytes"], budget=budget,
+    st = C.build_state(n_req_slots=n, rows=rows, row_bytes=cfg["nm_row_bytes"], budget=budget,
                        staging_cols=0, page_size=ps, direct_rows=half if mode == "direct" else 0,
                        host_rows=host, dev=dev, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -187,10 +187,10 @@ def _direct_floor_kernel(sel_ptr, slot_ptr, pt_ptr, pt_stride, loc_ptr, K,
     tl.store(loc_ptr + n * K + j, tl.where(base >= 0, base + sel % PAGE_SIZE, -1), mask=m)
 
 
-def direct_floor(st: C.SynthState, sel: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+def direct_floor(st: C.SynthState, sel: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
     n, q, k = sel.shape
     loc = torch.empty_like(sel)
-    _direct_floor_kernel[(n,)](sel, slot_ids, st.page_table, st.page_table.stride(0), loc, q * k,
+    _direct_floor_kernel[(n,)](sel, req_slots, st.page_table, st.page_table.stride(0), loc, q * k,
                                PAGE_SIZE=st.page_size, BLOCK=triton.next_power_of_2(q * k),
                                num_warps=8)
     return loc
@@ -200,20 +200,20 @@ def run_nomiss_path(cfg, resolve_fn, gather_fn, dev, failures, graph) -> list:
     out = []
     for n in cfg["nm_batches"]:
         host = C.pinned_rows(n * cfg["nm_rows"], cfg["nm_row_bytes"], seed=n)
-        slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
+        req_slots = torch.arange(n, dtype=torch.int32, device=dev)
         for budget in cfg["nm_budgets"]:
             for mode in ("direct", "scan"):
                 st, sel0, sel1 = _nomiss_state(cfg, host, n, budget, mode, dev, seed=budget + n)
                 for misses, sel in ((0, sel0), (cfg["nm_misses"], sel1)):
                     name = f"nomiss batch={n} B={budget} {mode} misses={misses}"
-                    chk = C.check_against_reference(st, sel, slot_ids, resolve_fn, gather_fn)
+                    chk = C.check_against_reference(st, sel, req_slots, resolve_fn, gather_fn)
                     _check_or_die(name, chk, failures)
                     if chk["unique_misses"] != n * misses:
                         failures.append(f"{name}: built {n * misses} misses, resolver saw "
                                         f"{chk['unique_misses']}")
 
                     def call(sel=sel, st=st):
-                        C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
+                        C.resolve_and_copy(resolve_fn, gather_fn, st, sel, req_slots)
 
                     t = C.time_gpu(call, setup=st.restore, reps=cfg["nm_reps"], graph=graph,
                                    spacer_us=100.0)
@@ -224,11 +224,11 @@ def run_nomiss_path(cfg, resolve_fn, gather_fn, dev, failures, graph) -> list:
                     print(f"  {name}: median {s['median_ms'] * 1e3:.1f} us "
                           f"[p10 {s['p10_ms'] * 1e3:.1f}, p90 {s['p90_ms'] * 1e3:.1f}] ({s['mode']})")
                     if mode == "direct" and misses == 0:
-                        loc_ref = C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)[0]
+                        loc_ref = C.resolve_and_copy(resolve_fn, gather_fn, st, sel, req_slots)[0]
                         st.restore()
-                        if not torch.equal(direct_floor(st, sel, slot_ids), loc_ref):
+                        if not torch.equal(direct_floor(st, sel, req_slots), loc_ref):
                             failures.append(f"{name}: the floor kernel's locations differ")
-                        t = C.time_gpu(lambda sel=sel, st=st: direct_floor(st, sel, slot_ids),
+                        t = C.time_gpu(lambda sel=sel, st=st: direct_floor(st, sel, req_slots),
                                        reps=cfg["nm_reps"], graph=graph, spacer_us=100.0)
                         s = t.summary()
                         out.append(dict(batch=n, budget=budget, top_k=cfg["nm_topk"], path="floor",

@@ -21,7 +21,8 @@ admitted at ``--tokens`` of context:
   count is HBM's; the host RAM those sessions' c4 history needs is reported next to it.
 
 Checked: the hierarchy at the count found satisfies ``check_invariants`` (every
-session's pages owned once, its tables consistent).  Reported next to the counts:
+session's pages owned once, its tables consistent; the tests' checker,
+``tests/hierarchy_invariants.py``, read from the checkout).  Reported next to the counts:
 ``memory_accounting.py``'s per-session bytes and the counts they predict, the device
 bytes per session measured from the allocator, and the resolver's per-session
 metadata (the ``hot_slot_of`` inverse map dominates it).
@@ -44,7 +45,7 @@ import memory_accounting as M  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vllm_dhisparse.hierarchy.hierarchy as HH  # noqa: E402
 import vllm_dhisparse.hierarchy.host_store as HS  # noqa: E402
-from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
+from tests.hierarchy_invariants import check_invariants  # noqa: E402
 
 GIB = 2**30
 SMOKE_TOKENS = 4000
@@ -90,13 +91,13 @@ def shape_of(smoke: bool):
     ds = M.deepseek_v41_flash()
     if smoke:
         ds = dataclasses.replace(
-            ds, metadata_budget=ds.metadata_budget // 16,
-            payload=tuple(dataclasses.replace(s, hot_rows=s.hot_rows // 16) if s.offloaded
+            ds, metadata_hot_cache_rows=ds.metadata_hot_cache_rows // 16,
+            payload=tuple(dataclasses.replace(s, hot_cache_rows=s.hot_cache_rows // 16) if s.offloaded
                           else s for s in ds.payload))
     sources = []
     for s in ds.payload:
         for _ in range(s.count if s.offloaded else 0):
-            sources.append((f"c4_{len(sources)}", s.row_bytes, s.hot_rows, s.tokens_per_row))
+            sources.append((f"c4_{len(sources)}", s.row_bytes, s.hot_cache_rows, s.tokens_per_row))
     return ds, sources
 
 
@@ -123,9 +124,9 @@ def hierarchy_specs(sources, tokens: int, page: int, sessions: int) -> list[dict
     for name, rb, hot, tpr in sources:
         rows = -(-(-(-tokens // tpr)) // page) * page
         per_session = -(-hot // page) + 1  # hot cache pages + one tail page
-        specs.append(dict(name=name, row_bytes=rb, page_size=page, hot_rows=hot, tail_pages=1,
+        specs.append(dict(name=name, row_bytes=rb, page_size=page, hot_cache_rows=hot, tail_pages=1,
                           device_pages=sessions * per_session, host_rows=sessions * rows,
-                          max_slots=sessions, max_rows=rows))
+                          max_req_slots=sessions, max_rows=rows))
     return specs
 
 

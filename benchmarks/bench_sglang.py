@@ -150,7 +150,7 @@ def import_sglang(mode: str = "light") -> tuple:
 def build_case(n, cfg, frac, host, dev, seed):
     """Our state + SGLang's tensors for the same hot caches and selections."""
     k, budget, rows, rb = cfg["top_k"], cfg["budget"], cfg["rows"], cfg["row_bytes"]
-    st = C.build_state(n_slots=n, rows=rows, row_bytes=rb, budget=budget, staging_cols=0,
+    st = C.build_state(n_req_slots=n, rows=rows, row_bytes=rb, budget=budget, staging_cols=0,
                        host_rows=host, dev=dev, seed=seed)
     g = torch.Generator().manual_seed(seed)
     n_miss = int(round(frac * k))
@@ -172,7 +172,7 @@ def build_case(n, cfg, frac, host, dev, seed):
     sg["device_buffer"] = torch.empty((n * (budget + 1), rb), dtype=torch.uint8, device=dev)
     sg["device_buffer"].fill_(0xA5)
     sg["device_buffer"][dbl[:, :budget].reshape(-1).long()] = st.device_rows[
-        st.hot_rows.reshape(-1).long()]
+        st.hot_loc.reshape(-1).long()]
     newest = torch.full((n, 1), rows - 1, **i32)
     sg["tokens0"] = torch.cat([st.hot_pos, newest], 1).contiguous()
     sg["device_buffer_tokens"] = sg["tokens0"].clone()
@@ -286,16 +286,16 @@ def main(argv=None) -> int:
     nmax = max(cfg["batches"])
     host = C.pinned_rows(nmax * cfg["rows"], cfg["row_bytes"], seed=5)
     for n in cfg["batches"]:
-        slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
+        req_slots = torch.arange(n, dtype=torch.int32, device=dev)
         for frac in cfg["miss_fracs"]:
             st, sel, sg, n_miss = build_case(n, cfg, frac, host, dev, seed=n * 100 + int(frac * 100))
-            chk = C.check_against_reference(st, sel, slot_ids, resolve_fn, gather_fn)
+            chk = C.check_against_reference(st, sel, req_slots, resolve_fn, gather_fn)
             if not chk["ok"] or chk["unique_misses"] != n * n_miss:
                 failures.append(f"ours batch={n} miss={frac}: {chk['message']}, "
                                 f"misses {chk['unique_misses']} vs built {n * n_miss}")
 
             def ours(st=st, sel=sel):
-                C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
+                C.resolve_and_copy(resolve_fn, gather_fn, st, sel, req_slots)
 
             t_ours = C.time_gpu(ours, setup=st.restore, reps=cfg["reps"], spacer_us=SPACER_US).summary()
             res = dict(batch=n, miss_frac=frac, misses_per_request=n_miss, top_k=cfg["top_k"],

@@ -22,7 +22,7 @@ not idempotent):
 
 Synthetic states follow ``SourceState``: per request slot ``s`` the host pool
 holds rows ``[s*P, (s+1)*P)`` (per-request-contiguous, pinned), hot slot ``j``
-of slot ``s`` lives at device row ``hot_rows[s, j]``, and direct-map pages point
+of slot ``s`` lives at device row ``hot_loc[s, j]``, and direct-map pages point
 into a separate device region that holds a copy of the host rows.
 """
 from __future__ import annotations
@@ -96,12 +96,12 @@ def interpreting() -> bool:
 
 
 # ------------------------------------------------------------------ kernels
-def resolve_and_copy(resolve_fn, gather_fn, st, selections, slot_ids):
+def resolve_and_copy(resolve_fn, gather_fn, st, selections, req_slots):
     """The production call (what the Resolver façade does for one plane): the Triton
     ``resolve`` is handed the row tensors and copies the misses itself (fused
     into its kernel when K*k is small, else by a gather launch); the reference
     resolves, then gathers."""
-    args = st.resolve_args(selections, slot_ids)
+    args = st.resolve_args(selections, req_slots)
     if getattr(resolve_fn, "__module__", "").endswith("triton_kernels.resolve"):
         return resolve_fn(*args, host_rows=st.host_rows, device_rows=st.device_rows)
     out = resolve_fn(*args, num_device_rows=st.device_rows.shape[0])
@@ -292,11 +292,11 @@ def linear_fit(xs: list, ys: list) -> dict:
 # ------------------------------------------------------------------ states
 @dataclass
 class SynthState:
-    """SourceState-compatible tables for ``n_slots`` requests of ``rows`` rows each."""
+    """SourceState-compatible tables for ``n_req_slots`` requests of ``rows`` rows each."""
     page_table: torch.Tensor
     page_size: int
     hot_pos: torch.Tensor
-    hot_rows: torch.Tensor
+    hot_loc: torch.Tensor
     hot_stamp: torch.Tensor
     hot_clock: torch.Tensor
     hot_slot_of: torch.Tensor
@@ -308,9 +308,9 @@ class SynthState:
     rows: int
     snapshot: dict = field(default_factory=dict)
 
-    def resolve_args(self, selections: torch.Tensor, slot_ids: torch.Tensor):
-        return (selections, slot_ids, self.page_table, self.page_size, self.hot_pos,
-                self.hot_rows, self.hot_stamp, self.hot_clock, self.hot_slot_of, self.staging_rows,
+    def resolve_args(self, selections: torch.Tensor, req_slots: torch.Tensor):
+        return (selections, req_slots, self.page_table, self.page_size, self.hot_pos,
+                self.hot_loc, self.hot_stamp, self.hot_clock, self.hot_slot_of, self.staging_rows,
                 self.host_base)
 
     def save(self) -> None:
@@ -324,51 +324,51 @@ class SynthState:
         return {k: getattr(self, k).clone() for k in STATE_KEYS}
 
 
-def build_state(*, n_slots: int, rows: int, row_bytes: int, budget: int, staging_cols: int,
+def build_state(*, n_req_slots: int, rows: int, row_bytes: int, budget: int, staging_cols: int,
                 page_size: int = 64, direct_rows: int = 0, host_rows: torch.Tensor | None = None,
                 dev: torch.device | None = None, seed: int = 0) -> SynthState:
     """Empty (cold) hot caches; the first ``direct_rows`` rows of every slot
     published in the direct map (device copy made here).
 
-    Device row layout: [hot: n_slots*budget][staging: n_slots*staging_cols]
-    [direct: n_slots*direct_rows]."""
+    Device row layout: [hot: n_req_slots*budget][staging: n_req_slots*staging_cols]
+    [direct: n_req_slots*direct_rows]."""
     dev = dev or device()
     if direct_rows % page_size:
         raise ValueError(f"direct_rows {direct_rows} must be a multiple of page_size {page_size}")
     if host_rows is None:
-        host_rows = pinned_rows(n_slots * rows, row_bytes, seed=seed)
-    if host_rows.shape[0] < n_slots * rows or host_rows.shape[1] != row_bytes:
-        raise ValueError(f"host pool {tuple(host_rows.shape)} too small for {n_slots}x{rows}x{row_bytes}")
+        host_rows = pinned_rows(n_req_slots * rows, row_bytes, seed=seed)
+    if host_rows.shape[0] < n_req_slots * rows or host_rows.shape[1] != row_bytes:
+        raise ValueError(f"host pool {tuple(host_rows.shape)} too small for {n_req_slots}x{rows}x{row_bytes}")
     i32 = dict(dtype=torch.int32, device=dev)
-    hot0, stage0 = 0, n_slots * budget
-    direct0 = stage0 + n_slots * staging_cols
-    n_dev = direct0 + n_slots * direct_rows
+    hot0, stage0 = 0, n_req_slots * budget
+    direct0 = stage0 + n_req_slots * staging_cols
+    n_dev = direct0 + n_req_slots * direct_rows
     device_rows = torch.empty((max(n_dev, 1), row_bytes), dtype=torch.uint8, device=dev)
     device_rows.fill_(0xA5)  # poison: a wrong location reads this, not the host bytes
     max_pages = -(-rows // page_size)
-    page_table = torch.full((n_slots, max_pages), -1, **i32)
-    slots = torch.arange(n_slots, **i32)
+    page_table = torch.full((n_req_slots, max_pages), -1, **i32)
+    slots = torch.arange(n_req_slots, **i32)
     if direct_rows:
         n_pages = direct_rows // page_size
         base = direct0 + slots[:, None] * direct_rows + torch.arange(n_pages, **i32)[None] * page_size
         page_table[:, :n_pages] = base
-        for s in range(n_slots):  # contiguous copies: host [s*rows, +direct_rows) -> device
+        for s in range(n_req_slots):  # contiguous copies: host [s*rows, +direct_rows) -> device
             a = direct0 + s * direct_rows
             device_rows[a:a + direct_rows].copy_(host_rows[s * rows:s * rows + direct_rows])
-    hot_rows = (hot0 + slots[:, None] * budget + torch.arange(budget, **i32)[None]).contiguous()
+    hot_loc = (hot0 + slots[:, None] * budget + torch.arange(budget, **i32)[None]).contiguous()
     staging = (stage0 + slots[:, None] * staging_cols
                + torch.arange(staging_cols, **i32)[None]).contiguous()
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     # a steady state's recency: ages 1 .. 4095 calls (two radix passes when victims are chosen)
-    clock = torch.full((n_slots,), 2**20, **i32)
-    ages = torch.randint(1, 4096, (n_slots, budget), generator=g).to(**i32)
+    clock = torch.full((n_req_slots,), 2**20, **i32)
+    ages = torch.randint(1, 4096, (n_req_slots, budget), generator=g).to(**i32)
     st = SynthState(
         page_table=page_table, page_size=page_size,
-        hot_pos=torch.full((n_slots, budget), -1, **i32), hot_rows=hot_rows,
+        hot_pos=torch.full((n_req_slots, budget), -1, **i32), hot_loc=hot_loc,
         hot_stamp=(clock[:, None] - ages).contiguous(), hot_clock=clock,
-        hot_slot_of=torch.full((n_slots, rows), -1, **i32),
+        hot_slot_of=torch.full((n_req_slots, rows), -1, **i32),
         host_base=(slots.long() * rows).contiguous(),
-        seq_lens=torch.full((n_slots,), rows, **i32), staging_rows=staging,
+        seq_lens=torch.full((n_req_slots,), rows, **i32), staging_rows=staging,
         device_rows=device_rows, host_rows=host_rows, rows=rows)
     return st
 
@@ -383,11 +383,11 @@ def make_hot(st: SynthState, hot: list) -> None:
         st.hot_pos[s, :m] = r
         st.hot_slot_of[s, r.long()] = torch.arange(m, dtype=torch.int32, device=dev)
         host_to_device_rows(st.host_rows, st.device_rows, r.long() + int(st.host_base[s]),
-                            st.hot_rows[s, :m])
+                            st.hot_loc[s, :m])
 
 
 # ---------------------------------------------------------------- checking
-def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: torch.Tensor,
+def check_against_reference(st: SynthState, selections: torch.Tensor, req_slots: torch.Tensor,
                             resolve_fn, gather_fn, sample: int = 4096, seed: int = 0,
                             ref_cache: dict | None = None) -> dict:
     """Runs ``resolve_fn``+``gather_fn`` and the torch reference from the same
@@ -402,15 +402,15 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
         ref_tables, (r_loc, r_src, r_dst, r_cnt, r_ctr) = ref_cache["ref"]
     else:
         ref_tables = st.clone_tables()
-        ref_args = (selections, slot_ids, st.page_table, st.page_size, ref_tables["hot_pos"],
-                    st.hot_rows, ref_tables["hot_stamp"], ref_tables["hot_clock"],
+        ref_args = (selections, req_slots, st.page_table, st.page_size, ref_tables["hot_pos"],
+                    st.hot_loc, ref_tables["hot_stamp"], ref_tables["hot_clock"],
                     ref_tables["hot_slot_of"],
                     st.staging_rows, st.host_base)
         r_loc, r_src, r_dst, r_cnt, r_ctr = resolve_reference(
             *ref_args, num_device_rows=st.device_rows.shape[0])
         if ref_cache is not None:
             ref_cache["ref"] = (ref_tables, (r_loc, r_src, r_dst, r_cnt, r_ctr))
-    loc, src, dst, cnt, ctr = resolve_and_copy(resolve_fn, gather_fn, st, selections, slot_ids)
+    loc, src, dst, cnt, ctr = resolve_and_copy(resolve_fn, gather_fn, st, selections, req_slots)
     msgs = []
     if not torch.equal(loc, r_loc):
         bad = (loc != r_loc).nonzero()
@@ -425,7 +425,7 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
     if not torch.equal(ctr, r_ctr):
         msgs.append(f"counters differ: {ctr[0].tolist()} vs {r_ctr[0].tolist()}")
     for k in STATE_KEYS:
-        rows = slot_ids.long()
+        rows = req_slots.long()
         if not torch.equal(getattr(st, k)[rows], ref_tables[k][rows]):
             msgs.append(f"{k} differs after the call")
     # payload: device_rows[loc] == host_rows[host_base[slot] + sel] on a sample
@@ -433,7 +433,7 @@ def check_against_reference(st: SynthState, selections: torch.Tensor, slot_ids: 
     g = torch.Generator(device="cpu").manual_seed(seed)
     pick = valid[torch.randperm(valid.shape[0], generator=g)[:sample].to(valid.device)]
     n, j, i = pick[:, 0], pick[:, 1], pick[:, 2]
-    host_idx = st.host_base[slot_ids[n].long()] + selections[n, j, i].long()
+    host_idx = st.host_base[req_slots[n].long()] + selections[n, j, i].long()
     want = st.host_rows.index_select(0, host_idx.cpu())
     got = st.device_rows[loc[n, j, i].long()].cpu()
     if not torch.equal(want, got):

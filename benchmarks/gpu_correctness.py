@@ -85,7 +85,7 @@ class Setup:
         self.stage_start = n_hot + n_direct
         self.device_rows = torch.zeros(n_hot + n_direct + n * per_row, w, dtype=torch.uint8,
                                        device=dev)
-        self.hot_rows = torch.randperm(n_hot, generator=g).int().view(S, B).to(dev)
+        self.hot_loc = torch.randperm(n_hot, generator=g).int().view(S, B).to(dev)
         page_slot = torch.randperm(S * self.n_pages, generator=g).to(dev)
         self.page_starts = (n_hot + page_slot * ps).int().view(S, self.n_pages)
         # every page's rows sit at their device place; page_table decides which are "ready"
@@ -119,12 +119,12 @@ class Setup:
         self.ready[torch.arange(S), last] = True
         self.page_table.copy_(torch.where(self.ready.to(self.dev), self.page_starts, -1))
 
-    def corrupt(self, slot_ids: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def corrupt(self, req_slots: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Corrupts the tables of batch row 0's request (kernel state and shadow alike) with
         out-of-range and negative entries, makes the last batch row a padding row, and
         has row 0 select the rows whose entries were corrupted.  Returns the call's
         (selections, slot ids)."""
-        s, B, P = int(slot_ids[0]), self.B, self.P
+        s, B, P = int(req_slots[0]), self.B, self.P
         i32 = (-7, -2**31, 2**31 - 1, -(2**30) + 3)
         held = (self.hot_pos[s] >= 0).nonzero().flatten()
         pick = held[torch.randperm(held.numel(), generator=self.g)[:8].to(held.device)]
@@ -145,18 +145,18 @@ class Setup:
         sel = sel.clone()
         k = sel.shape[2]
         sel[0, 0, :min(k, rows.numel())] = rows[:k].int()
-        slot_ids = slot_ids.clone()
-        if slot_ids.numel() > 1:
-            slot_ids[-1] = -1
-        return sel, slot_ids
+        req_slots = req_slots.clone()
+        if req_slots.numel() > 1:
+            req_slots[-1] = -1
+        return sel, req_slots
 
-    def selections(self, slot_ids: torch.Tensor) -> torch.Tensor:
+    def selections(self, req_slots: torch.Tensor) -> torch.Tensor:
         """K distinct top-k rows per query, shared working set across queries, -1 padding."""
         case, P = self.case, self.P
         n, K, k = case.batch, case.queries, case.top_k
         scores = torch.rand(n, K, P, generator=self.g).to(self.dev)
-        scores += 1.0 * self.working[slot_ids.long()][:, None, :]
-        length = self.lengths[slot_ids.long()][:, None, None]
+        scores += 1.0 * self.working[req_slots.long()][:, None, :]
+        length = self.lengths[req_slots.long()][:, None, None]
         scores = torch.where(torch.arange(P, device=self.dev) < length, scores, -1.0)
         sel = scores.topk(k, dim=-1).indices
         return torch.where(sel < length, sel, -1).int()
@@ -166,13 +166,13 @@ class Setup:
         self.working ^= flip & (torch.rand(self.working.shape, generator=self.g).to(self.dev) < 0.5)
 
 
-def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_rows,
+def run_call(setup: Setup, sel, req_slots, resolve, resolve_reference, gather_rows,
              gather_reference, sync) -> dict:
     s = setup
     common = (s.page_table, s.page_size)
     sync()
     t0 = time.perf_counter()
-    got = resolve(sel, slot_ids, *common, s.hot_pos, s.hot_rows, s.hot_stamp, s.hot_clock,
+    got = resolve(sel, req_slots, *common, s.hot_pos, s.hot_loc, s.hot_stamp, s.hot_clock,
                   s.hot_slot_of, s.staging_rows, s.host_base,
                   num_device_rows=s.device_rows.shape[0])
     sync()
@@ -183,7 +183,7 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     sync()
     t2 = time.perf_counter()
     hp, stamp, clock, hs = s.shadow
-    want = resolve_reference(sel, slot_ids, *common, hp, s.hot_rows, stamp, clock, hs,
+    want = resolve_reference(sel, req_slots, *common, hp, s.hot_loc, stamp, clock, hs,
                              s.staging_rows, s.host_base, num_device_rows=s.device_rows.shape[0])
     errors = []
     for name, a, b in zip(("locations", "miss_src", "miss_dst", "miss_count", "counters"), got, want):
@@ -199,13 +199,13 @@ def run_call(setup: Setup, sel, slot_ids, resolve, resolve_reference, gather_row
     del before
     bad_bytes = bad_pad = 0
     for n in range(sel.shape[0]):
-        if int(slot_ids[n]) < 0:  # padding row: no location at all
+        if int(req_slots[n]) < 0:  # padding row: no location at all
             bad_pad += int((locations[n] != -1).sum())
             continue
         valid = sel[n] >= 0
         bad_pad += int((locations[n][~valid] != -1).sum())
         loc = locations[n][valid].long()
-        src = s.host_base[slot_ids[n].long()] + sel[n][valid].long()
+        src = s.host_base[req_slots[n].long()] + sel[n][valid].long()
         if loc.numel() and (loc.min() < 0 or loc.max() >= s.device_rows.shape[0]):
             bad_bytes += int(((loc < 0) | (loc >= s.device_rows.shape[0])).sum())
             continue
@@ -294,18 +294,18 @@ def main() -> int:
     for index, case in enumerate(all_cases):
         g = torch.Generator().manual_seed(args.seed * 1000 + index)
         setup = Setup(case, pool, dev, g, args.small)
-        slot_ids = torch.randperm(setup.S, generator=g)[:case.batch].int().to(dev)
+        req_slots = torch.randperm(setup.S, generator=g)[:case.batch].int().to(dev)
         # compile outside the timed calls, on throwaway copies of the state
-        warm = setup.selections(slot_ids)
+        warm = setup.selections(req_slots)
         scratch = [t.clone() for t in setup.state()]
-        out = resolve(warm, slot_ids, setup.page_table, setup.page_size, scratch[0], setup.hot_rows,
+        out = resolve(warm, req_slots, setup.page_table, setup.page_size, scratch[0], setup.hot_loc,
                       scratch[1], scratch[2], scratch[3], setup.staging_rows, setup.host_base,
                       num_device_rows=setup.device_rows.shape[0])
         gather_rows(setup.host_rows, setup.device_rows.clone(), out[1], out[2], out[3])
         for call in range(args.calls):
             setup.set_direct(DIRECT_FRACTIONS[min(call, len(DIRECT_FRACTIONS) - 1)])
-            sel = setup.selections(slot_ids)
-            r = run_call(setup, sel, slot_ids, resolve, resolve_reference, gather_rows,
+            sel = setup.selections(req_slots)
+            r = run_call(setup, sel, req_slots, resolve, resolve_reference, gather_rows,
                          gather_reference, sync)
             case.calls.append(r)
             case.passed &= r["ok"]
@@ -316,7 +316,7 @@ def main() -> int:
             setup.drift()
         # one more call on corrupted tables of one request, with a padding row: the
         # kernel and the reference must still agree and every real request stay exact
-        sel, bad_slots = setup.corrupt(slot_ids, setup.selections(slot_ids))
+        sel, bad_slots = setup.corrupt(req_slots, setup.selections(req_slots))
         r = run_call(setup, sel, bad_slots, resolve, resolve_reference, gather_rows,
                      gather_reference, sync)
         if r["repairs"] == 0:

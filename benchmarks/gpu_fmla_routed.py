@@ -112,8 +112,8 @@ class World:
         optional = int(resident * n * (hist // ps))
         spec = dict(name="c4a", row_bytes=584, page_size=ps,
                     device_pages=n * (hot_pages + 2) + optional, host_rows=n * self.max_rows,
-                    hot_rows=cfg["hot"], tail_pages=2, max_slots=n, max_rows=self.max_rows,
-                    segments=(L.DATA_BYTES, L.SCALE_BYTES))
+                    hot_cache_rows=cfg["hot"], tail_pages=2, max_req_slots=n, max_rows=self.max_rows,
+                    plane_bytes=(L.DATA_BYTES, L.SCALE_BYTES))
         self.h = KVHierarchy([spec], device=dev)
         self.ids = [f"r{i}" for i in range(n)]
         for i, rid in enumerate(self.ids):
@@ -160,7 +160,7 @@ class World:
         """Top-k per query [n, k_q, k] int32 (-1 beyond each query's length) and lengths
         [n * k_q] int32."""
         st = self.h.source("c4a").state
-        ready = (st.page_table[[st.slot(r) for r in self.ids]] >= 0).cpu()
+        ready = (st.page_table[[st.req_slot(r) for r in self.ids]] >= 0).cpu()
         plan = (ready, L.ROWS_PER_BLOCK, 12345 + step // 3)  # working set changes every 3
         n_rows = min(self.lens)
         sel = torch.stack([selections(self.cfg, plan, n_rows, miss, step * 8 + j, self.dev)[:, 0]

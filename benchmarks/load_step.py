@@ -41,7 +41,7 @@ def run_arm(args) -> dict:
     from vllm_dhisparse import engine_args
     from vllm_dhisparse.tools.offline_run import prompt_ids, running_requests
 
-    extra = dict(hot_cache_rows=args.hot_rows, optional_residency=args.arm == "on",
+    extra = dict(hot_cache_rows=args.hot_cache_rows, optional_residency=args.arm == "on",
                  device_pool_pages=args.device_pool_pages,
                  repopulate_pages_per_step=args.repopulate)
     llm = LLM(model=args.model, enforce_eager=True, block_size=256, max_model_len=args.max_model_len,
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--phase-steps", type=int, default=40)
     ap.add_argument("--prompt-len", type=int, default=2600)
     ap.add_argument("--max-tokens", type=int, default=30)
-    ap.add_argument("--hot-rows", type=int, default=512)
+    ap.add_argument("--hot-cache-rows", type=int, default=512)
     ap.add_argument("--device-pool-pages", type=int, default=86,
                     help="per source: 6 x 11 required pages + 20 optional (2 of 10-page histories)")
     ap.add_argument("--repopulate", type=int, default=4)

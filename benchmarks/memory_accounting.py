@@ -58,10 +58,10 @@ GLM_SLOTS = 35  # request slots per GPU with DFlash2 (paper 4.1)
 def glm53(row_bytes: int = 576) -> ModelShape:
     return ModelShape(
         name=f"GLM-5.3 (d_KV={row_bytes} B)",
-        payload=(PayloadSource("mla", row_bytes=row_bytes, count=78, hot_rows=4096),),
+        payload=(PayloadSource("mla", row_bytes=row_bytes, count=78, hot_cache_rows=4096),),
         index=(IndexState("indexer keys", row_bytes=132, count=21),),
         page_size=64, tail_rows=64, top_k=2048,
-        resolver_states=21, metadata_budget=4096,
+        resolver_states=21, metadata_hot_cache_rows=4096,
         draft=DraftShape(window=2048, row_bytes=12288, k_max=8),
         live_sources=4)
 
@@ -71,9 +71,9 @@ def deepseek_v41_flash() -> ModelShape:
         name="DeepSeek-V4.1-Flash (partly assumed)",
         payload=(
             PayloadSource("c4 shared (5 layers)", row_bytes=288, count=1, tokens_per_row=4,
-                          hot_rows=8192),
+                          hot_cache_rows=8192),
             PayloadSource("c4 shared (1 layer)", row_bytes=288, count=3, tokens_per_row=4,
-                          hot_rows=4096),
+                          hot_cache_rows=4096),
             PayloadSource("sliding window", row_bytes=584, count=43, offloaded=False,
                           window_rows=128),
             PayloadSource("c128 dense", row_bytes=584, count=20, tokens_per_row=128,
@@ -81,7 +81,7 @@ def deepseek_v41_flash() -> ModelShape:
         ),
         index=(IndexState("c4 indexer keys", row_bytes=132, count=4, tokens_per_row=4),),
         page_size=64, tail_rows=64, top_k=512,
-        resolver_states=4, metadata_budget=(8192 + 3 * 4096) // 4, metadata_tokens_per_row=4,
+        resolver_states=4, metadata_hot_cache_rows=(8192 + 3 * 4096) // 4, metadata_tokens_per_row=4,
         draft=None, live_sources=4)
 
 

@@ -35,15 +35,15 @@ def main() -> int:
     resolve_fn, gather_fn = C.load_impl("triton")
     host = C.pinned_rows(args.batch * cfg["rows"], cfg["row_bytes"], seed=5)
     st, sel, _, n_miss = BS.build_case(args.batch, cfg, args.miss, host, dev, seed=7)
-    slot_ids = torch.arange(args.batch, dtype=torch.int32, device=dev)
-    chk = C.check_against_reference(st, sel, slot_ids, resolve_fn, gather_fn)
+    req_slots = torch.arange(args.batch, dtype=torch.int32, device=dev)
+    chk = C.check_against_reference(st, sel, req_slots, resolve_fn, gather_fn)
     print(f"batch {args.batch} miss {args.miss:.0%}: check {chk['message']}")
     if not chk["ok"]:
         return 1
     for _ in range(args.calls):
         st.restore()
         C.flush_l2()
-        C.resolve_and_copy(resolve_fn, gather_fn, st, sel, slot_ids)
+        C.resolve_and_copy(resolve_fn, gather_fn, st, sel, req_slots)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return 0

@@ -38,12 +38,12 @@ def measure(model: str) -> list[dict]:
     from vllm_dhisparse.config import DHiSparseConfig
     from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
     from vllm_dhisparse.integration import pool_sizing as P
-    from vllm_dhisparse.integration.model_probe import FP8_DS_MLA_ROW_BYTES, FP8_DS_MLA_SEGMENTS
+    from vllm_dhisparse.integration.model_probe import FP8_DS_MLA_PLANE_BYTES, FP8_DS_MLA_ROW_BYTES
 
     cfg_json = json.loads((Path(model) / "config.json").read_text())
     block = 256  # DeepSeek-V4's block size on vLLM
     layers = [P.LayerShape(f"layers.{i}", r, cfg_json["index_topk"], FP8_DS_MLA_ROW_BYTES,
-                           block // r, FP8_DS_MLA_SEGMENTS)
+                           block // r, FP8_DS_MLA_PLANE_BYTES)
               for i, r in enumerate(cfg_json["compress_ratios"]) if r == 4]
     out = []
     for name, extra, queries in CONFIGS:

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     out, failed = [], False
     for n in batches:
         host = C.pinned_rows(n * cfg["nm_rows"], cfg["nm_row_bytes"], seed=n)
-        slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
+        req_slots = torch.arange(n, dtype=torch.int32, device=dev)
         for budget in budgets:
             st, _, sel = BR._nomiss_state(cfg, host, n, budget, "direct", dev, seed=budget + n)
             for v in variants:
@@ -51,8 +51,8 @@ def main(argv=None) -> int:
                 for k, x in v.items():
                     setattr(R, k, x)
                 try:
-                    chk = C.check_against_reference(st, sel, slot_ids, rf, gf)
-                    t = C.time_gpu(lambda: C.resolve_and_copy(rf, gf, st, sel, slot_ids),
+                    chk = C.check_against_reference(st, sel, req_slots, rf, gf)
+                    t = C.time_gpu(lambda: C.resolve_and_copy(rf, gf, st, sel, req_slots),
                                    setup=st.restore, reps=40 if cuda else 1, graph=cuda,
                                    spacer_us=100.0).summary()
                 finally:

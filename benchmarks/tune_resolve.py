@@ -83,28 +83,28 @@ def main() -> int:
         print(f"  {case:<34} {variant:<14} {s['median_ms'] * 1e3:8.1f} us "
               f"[p10 {s['p10_ms'] * 1e3:.1f} p90 {s['p90_ms'] * 1e3:.1f}] {s['mode']}", flush=True)
 
-    def checked_call(case, name, st, sel, slot_ids, ref_cache, want_misses=None):
+    def checked_call(case, name, st, sel, req_slots, ref_cache, want_misses=None):
         """The variant's resolve + copy as a closure, or None when it differs from the
         reference (recorded as a failure, never timed)."""
         fn, gfn = use(name)
-        chk = C.check_against_reference(st, sel, slot_ids, fn, gfn, ref_cache=ref_cache)
+        chk = C.check_against_reference(st, sel, req_slots, fn, gfn, ref_cache=ref_cache)
         if not chk["ok"] or (want_misses is not None and chk["unique_misses"] != want_misses):
             failures.append(f"{case} {name}: {chk['message']}")
             print(f"  CHECK FAILED {case} {name}: {chk['message']}", flush=True)
             return None
-        return lambda: C.resolve_and_copy(fn, gfn, st, sel, slot_ids)
+        return lambda: C.resolve_and_copy(fn, gfn, st, sel, req_slots)
 
     # ---- SGLang cells (eager, like bench_sglang.py)
     host = C.pinned_rows(max(scfg["batches"]) * scfg["rows"], scfg["row_bytes"], seed=5)
     for n in scfg["batches"]:
-        slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
+        req_slots = torch.arange(n, dtype=torch.int32, device=dev)
         for frac in scfg["miss_fracs"]:
             st, sel, _, n_miss = BS.build_case(n, scfg, frac, host, dev, seed=n * 100 + int(frac * 100))
             case = f"sglang b={n} miss={frac:.0%}"
             use.st = st
             ref_cache = {}
             for name in variants:
-                call = checked_call(case, name, st, sel, slot_ids, ref_cache, n * n_miss)
+                call = checked_call(case, name, st, sel, req_slots, ref_cache, n * n_miss)
                 if call is None:
                     continue
                 if not args.graph_only:
@@ -122,7 +122,7 @@ def main() -> int:
         nm_cases = []
     for n, budget in nm_cases:
         host = C.pinned_rows(n * ncfg["nm_rows"], ncfg["nm_row_bytes"], seed=n)
-        slot_ids = torch.arange(n, dtype=torch.int32, device=dev)
+        req_slots = torch.arange(n, dtype=torch.int32, device=dev)
         for mode in ("direct", "scan"):
             st, sel0, sel1 = BR._nomiss_state(ncfg, host, n, budget, mode, dev, seed=budget + n)
             for misses, sel in ((0, sel0), (ncfg["nm_misses"], sel1)):
@@ -132,7 +132,7 @@ def main() -> int:
                 use.st = st
                 ref_cache = {}
                 for name in variants:
-                    call = checked_call(case, name, st, sel, slot_ids, ref_cache)
+                    call = checked_call(case, name, st, sel, req_slots, ref_cache)
                     if call is None:
                         continue
                     record(case, name, C.time_gpu(call, setup=st.restore, reps=ncfg["nm_reps"],

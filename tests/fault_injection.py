@@ -27,6 +27,8 @@ from vllm_dhisparse.integration.connector import DHiSparseConnector
 from vllm_dhisparse.integration.step_context import StepContext
 from vllm_dhisparse.integration.worker_side import WorkerSide
 
+from tests.hierarchy_faults import fail_next_backup
+
 POINTS = ("admit", "append", "resolve", "backup", "corrupt")
 ENV = "DHISPARSE_TEST_FAULTS"
 
@@ -60,7 +62,7 @@ class FaultyAdmissions(Admissions):
             _raise("admit")
         if _hit(self.faults, "backup", req.req_id):
             for name in self.layers:
-                fail_first_backup(self.hierarchy.source(name).host, req.req_id)
+                fail_next_backup(self.hierarchy.source(name).host, req.req_id)
         return super().admit(req)
 
     def commit(self, req):
@@ -84,11 +86,6 @@ class FaultyContext(StepContext):
         if "corrupt" in self.faults:
             corrupt_one(locs)
         return locs
-
-
-def fail_first_backup(host, req_id: str) -> None:
-    """``host`` refuses the next backup of ``req_id``'s rows, once."""
-    host.fail_next_backup_of.add(req_id)
 
 
 def corrupt_one(locs: torch.Tensor) -> None:

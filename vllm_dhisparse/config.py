@@ -130,7 +130,7 @@ class DHiSparseConfig:
                              f"{sorted(_FIELDS)}")
         return cls(**extra)
 
-    def hot_rows_for(self, top_k: int) -> int:
+    def hot_cache_rows_for(self, top_k: int) -> int:
         """B for a source whose indexer selects ``top_k`` rows; B < k is a config error."""
         rows = self.hot_cache_rows if self.hot_cache_rows is not None else 2 * top_k
         if rows < top_k:

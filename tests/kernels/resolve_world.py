@@ -37,68 +37,69 @@ def assert_same(name, got, want, context=""):
 class World:
     """A small hierarchy with ground truth: host pool, direct pages, hot cache, staging.
 
-    Device rows are laid out as [hot rows of all slots | direct pages | staging],
+    Device rows are laid out as [hot rows of all request slots | direct pages | staging],
     each region shuffled so that row numbers carry no accidental structure.
     """
 
-    def __init__(self, *, slots=4, budget=8, positions=64, page_size=4, row_bytes=16,
+    def __init__(self, *, req_slots=4, hot_cache_rows=8, positions=64, page_size=4, row_bytes=16,
                  batch=2, width=8, staging_extra=0, seed=0, lengths=None):
         g = torch.Generator().manual_seed(seed)
         self.g = g
-        self.S, self.B, self.P, self.page_size = slots, budget, positions, page_size
-        self.lengths = lengths or [positions] * slots
+        self.S, self.B, self.P, self.page_size = req_slots, hot_cache_rows, positions, page_size
+        self.lengths = lengths or [positions] * req_slots
         n_pages = -(-positions // page_size)
-        n_hot, n_direct = slots * budget, slots * n_pages * page_size
-        per_row = max(0, width - budget) + staging_extra
+        n_hot, n_direct = req_slots * hot_cache_rows, req_slots * n_pages * page_size
+        per_row = max(0, width - hot_cache_rows) + staging_extra
         n_stage = batch * per_row
         self.n_dev_rows = n_hot + n_direct + n_stage
-        self.host_rows = torch.randint(0, 256, (slots * positions, row_bytes), generator=g,
+        self.host_rows = torch.randint(0, 256, (req_slots * positions, row_bytes), generator=g,
                                        dtype=torch.uint8).to(DEVICE)
-        self.host_base = (torch.randperm(slots, generator=g) * positions).to(DEVICE)
+        self.host_base = (torch.randperm(req_slots, generator=g) * positions).to(DEVICE)
         self.device_rows = torch.zeros(self.n_dev_rows, row_bytes, dtype=torch.uint8, device=DEVICE)
-        self.hot_rows = (torch.randperm(n_hot, generator=g).int().view(slots, budget)).to(DEVICE)
-        page_starts = n_hot + torch.randperm(slots * n_pages, generator=g).int() * page_size
-        self.page_starts = page_starts.view(slots, n_pages).to(DEVICE)
-        self.page_table = torch.full((slots, n_pages), -1, dtype=torch.int32, device=DEVICE)
+        self.hot_loc = torch.randperm(n_hot, generator=g).int().view(req_slots, hot_cache_rows) \
+            .to(DEVICE)
+        page_starts = n_hot + torch.randperm(req_slots * n_pages, generator=g).int() * page_size
+        self.page_starts = page_starts.view(req_slots, n_pages).to(DEVICE)
+        self.page_table = torch.full((req_slots, n_pages), -1, dtype=torch.int32, device=DEVICE)
         self.staging_rows = (n_hot + n_direct + torch.randperm(n_stage, generator=g).int()) \
             .view(batch, per_row).to(DEVICE)
-        self.hot_pos = torch.full((slots, budget), -1, dtype=torch.int32, device=DEVICE)
-        self.hot_slot_of = torch.full((slots, positions), -1, dtype=torch.int32, device=DEVICE)
+        self.hot_pos = torch.full((req_slots, hot_cache_rows), -1, dtype=torch.int32, device=DEVICE)
+        self.hot_slot_of = torch.full((req_slots, positions), -1, dtype=torch.int32, device=DEVICE)
         # stamps of earlier calls, with ties, and the clock just past them
-        self.hot_clock = torch.randint(20, 30, (slots,), generator=g, dtype=torch.int32).to(DEVICE)
+        self.hot_clock = torch.randint(20, 30, (req_slots,), generator=g, dtype=torch.int32).to(DEVICE)
         self.hot_stamp = (self.hot_clock.cpu()[:, None] - torch.randint(
-            0, 6, (slots, budget), generator=g, dtype=torch.int32)).to(DEVICE)
+            0, 6, (req_slots, hot_cache_rows), generator=g, dtype=torch.int32)).to(DEVICE)
         self.seq_lens = torch.tensor(self.lengths, dtype=torch.int32, device=DEVICE)
         self.ref = None
 
-    def truth(self, slot, pos):
-        return self.host_rows[int(self.host_base[slot]) + pos]
+    def truth(self, s, pos):
+        return self.host_rows[int(self.host_base[s]) + pos]
 
-    def make_direct(self, slot, pages):
+    def make_direct(self, s, pages):
         """Pages become ready on the device (tail / optional history)."""
         for p in pages:
-            start = int(self.page_starts[slot, p])
-            self.page_table[slot, p] = start
+            start = int(self.page_starts[s, p])
+            self.page_table[s, p] = start
             rows = torch.arange(p * self.page_size, min((p + 1) * self.page_size, self.P))
-            self.device_rows[start:start + len(rows)] = self.truth(slot, rows.to(DEVICE))
+            self.device_rows[start:start + len(rows)] = self.truth(s, rows.to(DEVICE))
 
-    def warm(self, slot, positions):
+    def warm(self, s, positions):
         """Places rows in the hot cache directly (consistent state, truth bytes copied)."""
-        free = (self.hot_pos[slot] < 0).nonzero().flatten().tolist()
+        free = (self.hot_pos[s] < 0).nonzero().flatten().tolist()
         for pos, b in zip(positions, free):
-            self.hot_pos[slot, b] = pos
-            self.hot_slot_of[slot, pos] = b
-            self.device_rows[int(self.hot_rows[slot, b])] = self.truth(slot, pos)
+            self.hot_pos[s, b] = pos
+            self.hot_slot_of[s, pos] = b
+            self.device_rows[int(self.hot_loc[s, b])] = self.truth(s, pos)
 
     def state(self):
         return [self.hot_pos, self.hot_stamp, self.hot_clock, self.hot_slot_of]
 
-    def selections(self, slot_ids, queries, top_k, *, pad=0.1, dup=0.2, pad_query=False,
+    def selections(self, req_slots, queries, top_k, *, pad=0.1, dup=0.2, pad_query=False,
                    lo=0, hi=None):
         """Random request-local rows in [lo, min(hi, length)) with -1 padding and duplicates."""
         g = self.g
-        sel = torch.empty(len(slot_ids), queries, top_k, dtype=torch.int32)
-        for n, s in enumerate(slot_ids):
+        sel = torch.empty(len(req_slots), queries, top_k, dtype=torch.int32)
+        for n, s in enumerate(req_slots):
             top = min(self.lengths[s], hi if hi is not None else self.P)
             span = max(1, top - lo)
             rows = lo + torch.randint(0, span, (queries, top_k), generator=g)
@@ -112,26 +113,26 @@ class World:
             sel[n] = rows.int()
         return sel.to(DEVICE)
 
-    def call(self, sel, slot_ids, *, check_bytes=True, context="", copy=None, lens=False):
+    def call(self, sel, req_slots, *, check_bytes=True, context="", copy=None, lens=False):
         """resolve vs resolve_reference on a shadow copy of the state; gather; byte check.
         ``copy`` True / False: resolve copies the misses itself (fused / by gather_rows).
-        ``lens``: both get the slots' lengths (selections at or past them are invalid)."""
+        ``lens``: both get the requests' lengths (selections at or past them are invalid)."""
         if self.ref is None:
             self.ref = [t.clone() for t in self.state()]
-        slot_t = torch.tensor(slot_ids, dtype=torch.int32, device=DEVICE)
+        slot_t = torch.tensor(req_slots, dtype=torch.int32, device=DEVICE)
         args = (self.page_table, self.page_size)
         tail = (self.staging_rows, self.host_base)
         rows = {} if copy is None else dict(host_rows=self.host_rows, device_rows=self.device_rows,
                                             fused_copy=copy)
         bound = dict(seq_lens=self.seq_lens) if lens else {}
-        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_rows, self.hot_stamp,
+        got = resolve(sel, slot_t, *args, self.hot_pos, self.hot_loc, self.hot_stamp,
                       self.hot_clock, self.hot_slot_of, *tail, **rows,
                       num_device_rows=self.n_dev_rows, **bound)
         hp, stamp, clock, hs = self.ref
-        want = resolve_reference(sel, slot_t, *args, hp, self.hot_rows, stamp, clock, hs, *tail,
+        want = resolve_reference(sel, slot_t, *args, hp, self.hot_loc, stamp, clock, hs, *tail,
                                  num_device_rows=self.n_dev_rows, **bound)
-        ctx = f" ({context}; slots {slot_ids}, selections {sel.tolist()})" if sel.numel() <= 64 \
-            else f" ({context}; slots {slot_ids})"
+        ctx = f" ({context}; request slots {req_slots}, selections {sel.tolist()})" if sel.numel() <= 64 \
+            else f" ({context}; request slots {req_slots})"
         for name, a, b in zip(OUTPUT_NAMES, got, want):
             assert_same(name, a, b, ctx)
         for name, a, b in zip(STATE_NAMES, self.state(), self.ref):
@@ -140,33 +141,33 @@ class World:
             locations, miss_src, miss_dst, miss_count, _ = got
             if copy is None:
                 gather_rows(self.host_rows, self.device_rows, miss_src, miss_dst, miss_count)
-            self.check_bytes(sel, slot_ids, locations, ctx, lens=lens)
+            self.check_bytes(sel, req_slots, locations, ctx, lens=lens)
             self.check_cache(ctx)
         return got
 
-    def check_bytes(self, sel, slot_ids, locations, ctx="", lens=False):
-        for n, s in enumerate(slot_ids):
+    def check_bytes(self, sel, req_slots, locations, ctx="", lens=False):
+        for n, s in enumerate(req_slots):
             limit = min(max(int(self.seq_lens[s]), 0), self.P) if lens else self.P
             valid = (sel[n] >= 0) & (sel[n] < limit)
             assert_same("locations of padding", locations[n][~valid],
                         torch.full_like(locations[n][~valid], -1), ctx)
             got = self.device_rows[locations[n][valid].long()]
             want = self.truth(s, sel[n][valid].long())
-            assert_same(f"device bytes of batch row {n} (slot {s})", got, want, ctx)
+            assert_same(f"device bytes of batch row {n} (request slot {s})", got, want, ctx)
 
     def check_cache(self, ctx=""):
         """Every hot slot holds the bytes of its row; hot_slot_of is its inverse."""
         for s in range(self.S):
             held = (self.hot_pos[s] >= 0).nonzero().flatten()
             pos = self.hot_pos[s, held].long()
-            assert_same(f"hot_slot_of inverse (slot {s})", self.hot_slot_of[s, pos], held.int(), ctx)
+            assert_same(f"hot_slot_of inverse (request slot {s})", self.hot_slot_of[s, pos], held.int(), ctx)
             assert int((self.hot_slot_of[s] >= 0).sum()) == held.numel(), f"stale hot_slot_of{ctx}"
-            assert_same(f"hot bytes (slot {s})", self.device_rows[self.hot_rows[s, held].long()],
+            assert_same(f"hot bytes (request slot {s})", self.device_rows[self.hot_loc[s, held].long()],
                         self.truth(s, pos), ctx)
 
 
 GUARD = -123456789  # sentinel filling the rows around every table (never a valid entry)
-GUARDED = ("page_table", "hot_pos", "hot_rows", "hot_stamp", "hot_clock", "hot_slot_of",
+GUARDED = ("page_table", "hot_pos", "hot_loc", "hot_stamp", "hot_clock", "hot_slot_of",
            "staging_rows")
 
 

@@ -19,7 +19,7 @@ from resolve_world import DEVICE, STATE_NAMES, World, assert_same  # noqa: E402
 
 
 def test_cold_cache_all_miss():
-    w = World(budget=32, width=16)
+    w = World(hot_cache_rows=32, width=16)
     sel = w.selections([1, 2], 2, 8, pad=0.0, dup=0.0)
     locations, _, _, miss_count, counters = w.call(sel, [1, 2])
     assert (counters[:, COUNTER_HOST] == 16).all() and (counters[:, COUNTER_HOT] == 0).all()
@@ -27,7 +27,7 @@ def test_cold_cache_all_miss():
 
 
 def test_all_hit_after_warmup():
-    w = World(budget=16, width=8)
+    w = World(hot_cache_rows=16, width=8)
     sel = w.selections([0, 3], 2, 4, pad=0.0)
     w.call(sel, [0, 3], context="warm-up")
     _, _, _, miss_count, counters = w.call(sel.flip(-1), [0, 3], context="all hit")
@@ -36,14 +36,14 @@ def test_all_hit_after_warmup():
 
 
 def test_duplicates_within_and_across_queries():
-    w = World(budget=16, width=12, positions=40)
+    w = World(hot_cache_rows=16, width=12, positions=40)
     sel = w.selections([2, 1], 3, 4, dup=0.7, hi=10)
     _, _, _, miss_count, counters = w.call(sel, [2, 1])
     assert (counters[:, COUNTER_HOST] > miss_count).any(), "test needs shared misses"
 
 
 def test_padding_including_whole_query_and_whole_row():
-    w = World(budget=8, width=12, batch=3)
+    w = World(hot_cache_rows=8, width=12, batch=3)
     sel = w.selections([0, 1, 2], 3, 4, pad=0.4, pad_query=True)
     sel[2] = -1
     locations, _, _, miss_count, counters = w.call(sel, [0, 1, 2])
@@ -52,7 +52,7 @@ def test_padding_including_whole_query_and_whole_row():
 
 
 def test_union_larger_than_hot_cache_overflows_to_staging():
-    w = World(budget=4, width=16, positions=64, staging_extra=3)
+    w = World(hot_cache_rows=4, width=16, positions=64, staging_extra=3)
     sel = w.selections([0, 1], 2, 8, pad=0.0, dup=0.0)
     _, _, miss_dst, miss_count, _ = w.call(sel, [0, 1])
     assert (miss_count > 4).all()
@@ -62,19 +62,19 @@ def test_union_larger_than_hot_cache_overflows_to_staging():
 
 
 def test_zero_budget_everything_stages():
-    w = World(budget=0, width=8)
+    w = World(hot_cache_rows=0, width=8)
     w.call(w.selections([0, 1], 2, 4), [0, 1])
     w.call(w.selections([0, 1], 2, 4), [0, 1])
 
 
 def test_budget_equals_top_k():
-    w = World(budget=8, width=16, positions=32, staging_extra=0)
+    w = World(hot_cache_rows=8, width=16, positions=32, staging_extra=0)
     for step in range(3):
         w.call(w.selections([3, 0], 2, 8, dup=0.1), [3, 0], context=f"step {step}")
 
 
 def test_request_shorter_than_top_k():
-    w = World(budget=16, width=16, positions=48, lengths=[5, 48, 3, 48])
+    w = World(hot_cache_rows=16, width=16, positions=48, lengths=[5, 48, 3, 48])
     for step in range(2):
         sel = w.selections([0, 2], 2, 8, pad=0.0)
         sel[0, :, 5:] = -1
@@ -84,16 +84,16 @@ def test_request_shorter_than_top_k():
 
 
 def test_sequence_lru_evolves():
-    """Many calls on the same state: hits protect slots, fills evict the least recent."""
-    w = World(budget=12, width=8, positions=40, slots=3, batch=2)
+    """Many calls on the same state: hits protect hot slots, fills evict the least recent."""
+    w = World(hot_cache_rows=12, width=8, positions=40, req_slots=3, batch=2)
     for step in range(8):
-        slots = [[0, 1], [1, 2], [2, 0]][step % 3]
-        sel = w.selections(slots, 2, 4, hi=20 if step % 2 else None)
-        w.call(sel, slots, context=f"step {step}")
+        req_slots = [[0, 1], [1, 2], [2, 0]][step % 3]
+        sel = w.selections(req_slots, 2, 4, hi=20 if step % 2 else None)
+        w.call(sel, req_slots, context=f"step {step}")
 
 
 def test_mixed_direct_hot_host_with_growing_direct_coverage():
-    w = World(budget=10, width=12, positions=48, page_size=4, slots=3, batch=3)
+    w = World(hot_cache_rows=10, width=12, positions=48, page_size=4, req_slots=3, batch=3)
     w.make_direct(0, [11])  # tail page
     w.make_direct(1, [0, 5, 11])
     w.warm(2, [3, 7, 8, 20, 41])
@@ -108,26 +108,26 @@ def test_mixed_direct_hot_host_with_growing_direct_coverage():
 
 @pytest.mark.parametrize("row_bytes", [1, 37, 584, 656])
 def test_row_widths(row_bytes):
-    w = World(budget=6, width=8, row_bytes=row_bytes, positions=24)
+    w = World(hot_cache_rows=6, width=8, row_bytes=row_bytes, positions=24)
     w.make_direct(1, [5])
     for step in range(2):
         w.call(w.selections([1, 0], 2, 4), [1, 0], context=f"step {step}")
 
 
 def test_batch_slots_are_a_permutation():
-    w = World(slots=5, budget=6, width=8, batch=5, positions=30)
+    w = World(req_slots=5, hot_cache_rows=6, width=8, batch=5, positions=30)
     w.make_direct(3, [7])
     for step, perm in enumerate(([4, 2, 0, 3, 1], [0, 1, 2, 3, 4], [1, 3, 4, 0, 2])):
         w.call(w.selections(perm, 2, 4), perm, context=f"step {step}")
 
 
 def test_subset_of_slots_leaves_others_untouched():
-    w = World(slots=4, budget=6, width=8, batch=1)
+    w = World(req_slots=4, hot_cache_rows=6, width=8, batch=1)
     w.warm(2, [1, 2, 3])
     before = [t.clone() for t in w.state()]
     w.call(w.selections([0], 2, 4), [0])
     for name, a, b in zip(STATE_NAMES, w.state(), before):
-        assert_same(name + " of other slots", a[1:], b[1:])
+        assert_same(name + " of other request slots", a[1:], b[1:])
 
 
 def test_empty_batch_and_empty_queries():
@@ -141,24 +141,24 @@ def test_empty_batch_and_empty_queries():
 def test_random_sequences(seed):
     g = torch.Generator().manual_seed(100 + seed)
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
-    queries, top_k, slots = r(1, 3), r(1, 9), r(2, 5)
-    batch = r(1, slots)
-    w = World(slots=slots, budget=r(0, 14), positions=r(8, 60), page_size=r(1, 8),
+    queries, top_k, n_req_slots = r(1, 3), r(1, 9), r(2, 5)
+    batch = r(1, n_req_slots)
+    w = World(req_slots=n_req_slots, hot_cache_rows=r(0, 14), positions=r(8, 60), page_size=r(1, 8),
               row_bytes=r(1, 24), batch=batch, width=queries * top_k, staging_extra=r(0, 2),
               seed=seed)
-    for s in range(slots):
+    for s in range(n_req_slots):
         n_pages = w.page_table.shape[1]
         w.make_direct(s, torch.randperm(n_pages, generator=g)[:r(0, n_pages // 2)].tolist())
     for step in range(3):
-        slot_ids = torch.randperm(slots, generator=g)[:batch].tolist()
-        sel = w.selections(slot_ids, queries, top_k, pad=0.3 * (step == 1), dup=0.3)
-        w.call(sel, slot_ids, context=f"seed {seed} step {step}")
+        req_slots = torch.randperm(n_req_slots, generator=g)[:batch].tolist()
+        sel = w.selections(req_slots, queries, top_k, pad=0.3 * (step == 1), dup=0.3)
+        w.call(sel, req_slots, context=f"seed {seed} step {step}")
 
 
 def test_misses_in_ascending_position_order():
     """Distinct misses are numbered by position (host-address order), whatever the
     selection order; later duplicates share the rank."""
-    w = World(budget=8, width=8, positions=40, batch=1)
+    w = World(hot_cache_rows=8, width=8, positions=40, batch=1)
     sel = torch.tensor([[[30, 5, -1, 17], [5, 2, 30, 39]]], dtype=torch.int32, device=DEVICE)
     _, miss_src, _, miss_count, _ = w.call(sel, [0])
     base = int(w.host_base[0])
@@ -176,7 +176,7 @@ def test_miss_sort_buckets(n_distinct, queries, sort_mid, monkeypatch):
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_SORT_MID", sort_mid)
     width = queries * 256
-    w = World(budget=64, width=width, positions=1000, batch=1, slots=1, page_size=64)
+    w = World(hot_cache_rows=64, width=width, positions=1000, batch=1, req_slots=1, page_size=64)
     g = torch.Generator().manual_seed(n_distinct)
     rows = torch.randperm(1000, generator=g)[:n_distinct]
     sel = rows[torch.randint(0, n_distinct, (width,), generator=g)]
@@ -192,7 +192,7 @@ def test_one_block_and_chunked_lru_paths(monkeypatch):
     monkeypatch.setattr(resolve_module, "_ONE_BLOCK_B", 2)
     monkeypatch.setattr(resolve_module, "_BLOCK_B", 4)
     monkeypatch.setattr(resolve_module, "_BLOCK_W", 4)
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=10, width=12, positions=40, req_slots=3, batch=2)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
@@ -202,7 +202,7 @@ def test_one_block_and_chunked_lru_paths(monkeypatch):
 @pytest.mark.parametrize("copy", [True, False])
 def test_resolve_copies_its_misses(copy):
     """host_rows/device_rows given: fused copy (or the gather launch) = gather_rows."""
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2, row_bytes=40)
+    w = World(hot_cache_rows=10, width=12, positions=40, req_slots=3, batch=2, row_bytes=40)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
@@ -218,7 +218,7 @@ def test_fused_copy_reads_early_words(early, step, monkeypatch):
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_EARLY_ELEMS", early)
     monkeypatch.setattr(resolve_module, "_COPY_ELEMS", step)
-    w = World(budget=6, width=16, positions=64, slots=3, batch=2, row_bytes=24, staging_extra=2)
+    w = World(hot_cache_rows=6, width=16, positions=64, req_slots=3, batch=2, row_bytes=24, staging_extra=2)
     w.warm(0, [1, 2, 3])
     for i in range(3):
         w.call(w.selections([0, 2], 2, 8, dup=0.2), [0, 2], context=f"step {i}", copy=True)
@@ -238,7 +238,7 @@ def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
         monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=6, width=12, positions=40, slots=3, batch=2, row_bytes=24, staging_extra=2)
+    w = World(hot_cache_rows=6, width=12, positions=40, req_slots=3, batch=2, row_bytes=24, staging_extra=2)
     storage = torch.zeros(w.n_dev_rows * 24, dtype=torch.uint8, device=DEVICE)
     # 12 + 12 bytes: 4-byte words, three in each plane
     planes = [storage[:w.n_dev_rows * 12].view(-1, 12), storage[w.n_dev_rows * 12:].view(-1, 12)]
@@ -249,7 +249,7 @@ def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
         sel = w.selections([0, 2], 2, 6, dup=0.2)
         st = [t.clone() for t in w.state()]
         got = resolve(sel, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), w.page_table,
-                      w.page_size, w.hot_pos, w.hot_rows, w.hot_stamp, w.hot_clock,
+                      w.page_size, w.hot_pos, w.hot_loc, w.hot_stamp, w.hot_clock,
                       w.hot_slot_of, w.staging_rows, w.host_base, host_rows=w.host_rows,
                       device_rows=planes, fused_copy=fused)
         for t, old in zip(w.state(), st):  # replay the call on World's own rows as the oracle
@@ -262,7 +262,7 @@ def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
 
 @pytest.mark.parametrize("many", [False, True])
 def test_selections_past_the_length_read_nothing(many, monkeypatch):
-    """With the slots' lengths, a selection at or past its request's length (or below -1)
+    """With the requests' lengths, a selection at or past its request's length (or below -1)
     is padding: location -1, no host read, no hot-cache change, counted as invalid; the
     same calls without the lengths resolve them (they are inside P).  A corrupt length
     only moves the bound within [0, P]."""
@@ -271,7 +271,7 @@ def test_selections_past_the_length_read_nothing(many, monkeypatch):
         monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=6, width=12, positions=40, slots=3, batch=2, lengths=[40, 17, 9])
+    w = World(hot_cache_rows=6, width=12, positions=40, req_slots=3, batch=2, lengths=[40, 17, 9])
     w.make_direct(1, [0])
     w.warm(2, [1, 2])
     sel = w.selections([1, 2], 2, 6, pad=0.1, dup=0.2)
@@ -284,7 +284,7 @@ def test_selections_past_the_length_read_nothing(many, monkeypatch):
         bad = (sel[n] < -1) | (sel[n] >= length)
         assert int(counters[n, COUNTER_INVALID]) == int(bad.sum()) > 0
         assert bool((got[0][n][bad] == -1).all())
-    w.seq_lens[1] = -3  # corrupt: nothing of slot 1 is readable
+    w.seq_lens[1] = -3  # corrupt: nothing of request slot 1 is readable
     w.seq_lens[2] = 1000  # corrupt: the bound stays P
     again = w.call(sel, [1, 2], lens=True, copy=True)
     assert int(again[4][0, COUNTER_INVALID]) == int((sel[0] != -1).sum())
@@ -297,7 +297,7 @@ def test_many_programs_path(monkeypatch):
     monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=10, width=12, positions=40, req_slots=3, batch=2)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
     for step in range(3):
@@ -308,28 +308,28 @@ def test_many_programs_path(monkeypatch):
 @given(data=st.data())
 def test_hypothesis_adversarial(data):
     """Small universes where collisions between hits, misses and padding are frequent."""
-    budget = data.draw(st.integers(0, 6), label="budget")
+    hot_cache_rows = data.draw(st.integers(0, 6), label="hot_cache_rows")
     positions = data.draw(st.integers(1, 12), label="positions")
     queries = data.draw(st.integers(1, 3), label="queries")
     top_k = data.draw(st.integers(1, 5), label="top_k")
-    w = World(slots=2, budget=budget, positions=positions, page_size=data.draw(st.integers(1, 4)),
-              batch=2, width=queries * top_k, row_bytes=3)
+    w = World(req_slots=2, hot_cache_rows=hot_cache_rows, positions=positions,
+              page_size=data.draw(st.integers(1, 4)), batch=2, width=queries * top_k, row_bytes=3)
     w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
     for step in range(data.draw(st.integers(1, 3), label="calls")):
         rows = data.draw(st.lists(st.integers(-1, positions - 1), min_size=2 * queries * top_k,
                                   max_size=2 * queries * top_k), label=f"selections {step}")
         sel = torch.tensor(rows, dtype=torch.int32, device=DEVICE).view(2, queries, top_k)
-        slot_ids = data.draw(st.permutations([0, 1]), label=f"slots {step}")
-        w.call(sel, slot_ids, context=f"step {step}")
+        req_slots = data.draw(st.permutations([0, 1]), label=f"request slots {step}")
+        w.call(sel, req_slots, context=f"step {step}")
 
 
 # --- bad input -------------------------------------------------------------------------
 
 def _good_args(w, n=2, queries=2, top_k=4):
     sel = w.selections(list(range(n)), queries, top_k)
-    return dict(selections=sel, slot_ids=torch.arange(n, dtype=torch.int32, device=DEVICE),
+    return dict(selections=sel, req_slots=torch.arange(n, dtype=torch.int32, device=DEVICE),
                 page_table=w.page_table, page_size=w.page_size, hot_pos=w.hot_pos,
-                hot_rows=w.hot_rows, hot_stamp=w.hot_stamp, hot_clock=w.hot_clock,
+                hot_loc=w.hot_loc, hot_stamp=w.hot_stamp, hot_clock=w.hot_clock,
                 hot_slot_of=w.hot_slot_of,
                 staging_rows=w.staging_rows, host_base=w.host_base, num_device_rows=w.n_dev_rows)
 
@@ -338,14 +338,14 @@ def _good_args(w, n=2, queries=2, top_k=4):
     ("selections", lambda a: a["selections"].long(), "int32"),
     ("selections", lambda a: a["selections"][0], r"\[N, K, k\]"),
     ("selections", lambda a: a["selections"].transpose(1, 2), "contiguous"),
-    ("slot_ids", lambda a: a["slot_ids"].long(), "int32"),
-    ("slot_ids", lambda a: a["slot_ids"][:1], r"shape \[2\]"),
+    ("req_slots", lambda a: a["req_slots"].long(), "int32"),
+    ("req_slots", lambda a: a["req_slots"][:1], r"shape \[2\]"),
     ("page_table", lambda a: a["page_table"].long(), "int32"),
     ("page_table", lambda a: a["page_table"][:1], "shape"),
     ("page_size", lambda a: 0, "positive int"),
     ("page_size", lambda a: 4.0, "positive int"),
     ("hot_pos", lambda a: a["hot_pos"].float(), "int32"),
-    ("hot_rows", lambda a: a["hot_rows"][:, :-1], "shape"),
+    ("hot_loc", lambda a: a["hot_loc"][:, :-1], "shape"),
     ("hot_stamp", lambda a: a["hot_stamp"].to(torch.int16), "int32"),
     ("hot_clock", lambda a: a["hot_clock"][:, None], "shape"),
     ("hot_slot_of", lambda a: a["hot_slot_of"][:-1], "shape"),
@@ -357,7 +357,7 @@ def _good_args(w, n=2, queries=2, top_k=4):
     ("hot_pos", lambda a: a["hot_pos"].to("meta"), "device|meta"),
 ])
 def test_bad_input_names_the_argument(name, bad, needle):
-    w = World(budget=4, width=8, staging_extra=0)
+    w = World(hot_cache_rows=4, width=8, staging_extra=0)
     args = _good_args(w)
     args[name] = bad(args)
     with pytest.raises(ValueError, match=needle) as e:
@@ -366,7 +366,7 @@ def test_bad_input_names_the_argument(name, bad, needle):
 
 
 def test_cpu_tensors_need_interpreter(monkeypatch):
-    w = World(budget=4, width=8)
+    w = World(hot_cache_rows=4, width=8)
     args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="selections.*CUDA"):
@@ -376,7 +376,7 @@ def test_cpu_tensors_need_interpreter(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mismatched_devices_cuda():
-    w = World(budget=4, width=8)
+    w = World(hot_cache_rows=4, width=8)
     args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in _good_args(w).items()}
     args["hot_stamp"] = args["hot_stamp"].cpu()
     with pytest.raises(ValueError, match="hot_stamp"):
@@ -389,7 +389,7 @@ def test_many_programs_warm_slots(monkeypatch):
     monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
     monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
-    w = World(budget=10, width=12, positions=40, slots=3, batch=2)
+    w = World(hot_cache_rows=10, width=12, positions=40, req_slots=3, batch=2)
     w.warm(1, [5, 6, 7])
     for step in range(3):
         w.call(w.selections([1, 0], 3, 4, dup=0.3), [1, 0], context=f"step {step}", copy=True)
@@ -398,11 +398,11 @@ def test_many_programs_warm_slots(monkeypatch):
 @pytest.mark.parametrize("many", [False, True])
 def test_distinct_misses_get_locations_from_their_owner(many, monkeypatch):
     """No missing row selected twice: phase 4 is skipped, each owner gets its hot row
-    (fills) or staging row (overflow: 20 distinct misses, 6 free slots) directly."""
+    (fills) or staging row (overflow: 20 distinct misses, 6 free hot slots) directly."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     if many:
         monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
-    w = World(budget=8, width=24, positions=200, slots=2, batch=2, page_size=8)
+    w = World(hot_cache_rows=8, width=24, positions=200, req_slots=2, batch=2, page_size=8)
     w.warm(0, [3, 4])
     w.make_direct(1, [0])
     g = torch.Generator().manual_seed(3)
@@ -425,18 +425,18 @@ AGES = [2, 2, 4, 301, 301, 70001, 2**24 + 6, 2**24 + 6, 2**31, 2**32 - 1, 8, 3]
 @pytest.mark.parametrize("layout", ["one_block", "chunked", "many_programs"])
 @pytest.mark.parametrize("clock", [25, 2**31 - 1, -2**31], ids=["clock25", "wraps", "int32_min"])
 @pytest.mark.parametrize("misses,hit,victims", [
-    (3, False, [6, 8, 9]),  # the tie at 2**24 + 6 goes to the lower slot
+    (3, False, [6, 8, 9]),  # the tie at 2**24 + 6 goes to the lower hot slot
     (5, False, [5, 6, 7, 8, 9]),
     (6, False, [3, 5, 6, 7, 8, 9]),
-    (3, True, [6, 7, 8]),  # slot 9 (the oldest) is hit by the same call: protected
-    (12, False, list(range(12))),  # every slot
+    (3, True, [6, 7, 8]),  # hot slot 9 (the oldest) is hit by the same call: protected
+    (12, False, list(range(12))),  # every hot slot
 ])
 def test_victims_are_the_oldest_slots_in_slot_order(layout, clock, misses, hit, victims,
                                                     monkeypatch):
     """The spec's victim rule, spelled out (the reference) and matched by the kernel:
-    the n_fill largest ages (c - stamp) mod 2**32 among slots the call does not hit,
-    ties to the lower slot, the i-th miss (ascending row) to the i-th victim in slot
-    order; every slot used is stamped c, the clock becomes c (wrapping)."""
+    the n_fill largest ages (c - stamp) mod 2**32 among hot slots the call does not hit,
+    ties to the lower hot slot, the i-th miss (ascending row) to the i-th victim in
+    hot-slot order; every hot slot used is stamped c, the clock becomes c (wrapping)."""
     mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     if layout == "chunked":
         monkeypatch.setattr(mod, "_ONE_BLOCK_B", 2)
@@ -444,8 +444,8 @@ def test_victims_are_the_oldest_slots_in_slot_order(layout, clock, misses, hit, 
     if layout == "many_programs":
         monkeypatch.setattr(mod, "_sm_count", lambda dev: 1)
         monkeypatch.setattr(mod, "_MANY_BLOCK_B", 4)
-    w = World(budget=12, width=16, positions=60, slots=2, batch=2, staging_extra=4)
-    w.warm(0, list(range(12)))  # slot b holds row b
+    w = World(hot_cache_rows=12, width=16, positions=60, req_slots=2, batch=2, staging_extra=4)
+    w.warm(0, list(range(12)))  # hot slot b holds row b
     c = _wrap32(clock + 1)
     w.hot_clock[0] = clock
     w.hot_stamp[0] = torch.tensor([_wrap32(c - a) for a in AGES], dtype=torch.int32)

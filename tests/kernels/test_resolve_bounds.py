@@ -1,5 +1,5 @@
 """The resolver under corrupted state: every out-of-range or negative entry of one
-request's tables (page_table, hot_slot_of, hot_pos) and bad slot ids; any value of the
+request's tables (page_table, hot_slot_of, hot_pos) and bad request slots; any value of the
 recency tables (hot_stamp, hot_clock), which are never used as indices.
 
 For each corruption, one request among three is corrupted and the same selections
@@ -19,25 +19,25 @@ from vllm_dhisparse.triton_kernels.reference import COUNTER_REPAIRS
 
 from resolve_world import DEVICE, STATE_NAMES, GuardedWorld, assert_same  # noqa: E402
 
-SLOTS = [2, 0, 3]  # batch rows; slot 1 is idle, slot 0 (batch row 1) gets corrupted
-BAD_ROW, BAD_SLOT = 1, 0
+REQ_SLOTS = [2, 0, 3]  # of the batch rows; request slot 1 is idle, 0 (batch row 1) corrupted
+BAD_ROW, BAD_REQ_SLOT = 1, 0
 I32_MIN, I32_MAX = -2**31, 2**31 - 1
 OUTPUTS = ("locations", "miss_src", "miss_dst", "miss_count", "counters")
 
 
 def make_world():
-    w = GuardedWorld(slots=4, budget=8, positions=48, page_size=4, width=12, batch=3,
+    w = GuardedWorld(req_slots=4, hot_cache_rows=8, positions=48, page_size=4, width=12, batch=3,
                      row_bytes=12, seed=7)
     w.make_direct(2, [1, 6])
     w.make_direct(3, [0])
-    w.warm(BAD_SLOT, [1, 5, 9, 13, 20, 33])
+    w.warm(BAD_REQ_SLOT, [1, 5, 9, 13, 20, 33])
     w.warm(3, [2, 7])
     return w
 
 
 def selections(w, seed, bad_positions=()):
     g = torch.Generator().manual_seed(seed)
-    sel = torch.randint(0, w.P, (len(SLOTS), 3, 4), generator=g, dtype=torch.int32)
+    sel = torch.randint(0, w.P, (len(REQ_SLOTS), 3, 4), generator=g, dtype=torch.int32)
     sel[:, 0, 0] = -1
     for i, p in enumerate(bad_positions):  # the corrupted request selects what was corrupted
         sel[BAD_ROW].view(-1)[1 + i] = p
@@ -45,7 +45,7 @@ def selections(w, seed, bad_positions=()):
 
 
 def corrupt(w, table, value):
-    """Corrupts entries of BAD_SLOT (in the kernel's state and the reference's shadow);
+    """Corrupts entries of BAD_REQ_SLOT (in the kernel's state and the reference's shadow);
     returns (positions to select, expected repairs as a function of the selections of
     the corrupted row)."""
     def put(index, v):
@@ -58,29 +58,29 @@ def corrupt(w, table, value):
             w.ref[i][index] = v
 
     if table == "page_table":
-        w.make_direct(BAD_SLOT, [3, 10])  # optional-history pages, ready on device
-        put((BAD_SLOT, 3), value(w))
+        w.make_direct(BAD_REQ_SLOT, [3, 10])  # optional-history pages, ready on device
+        put((BAD_REQ_SLOT, 3), value(w))
         return [12, 14, 13], lambda s: int(((s >= 0) & (s // w.page_size == 3)).sum())
     if table == "hot_slot_of":
         held = [5, 20, 33]
         for p in held + [40]:  # 40: a row that is not held at all
-            put((BAD_SLOT, p), value(w))
+            put((BAD_REQ_SLOT, p), value(w))
         bad = torch.tensor(held + [40], device=DEVICE)
         return held + [40, 40], lambda s: int(torch.isin(s, bad).sum())
     if table == "hot_pos":
-        # the rows those slots held now point at an emptied slot: a selection of one is
+        # the rows those hot slots held now point at an emptied hot slot: a selection of one is
         # a repaired hot_slot_of entry too
-        rows = [int(w.hot_pos[BAD_SLOT, b]) for b in (0, 3, 7) if int(w.hot_pos[BAD_SLOT, b]) >= 0]
+        rows = [int(w.hot_pos[BAD_REQ_SLOT, b]) for b in (0, 3, 7) if int(w.hot_pos[BAD_REQ_SLOT, b]) >= 0]
         for b in (0, 3, 7):
-            put((BAD_SLOT, b), value(w))
+            put((BAD_REQ_SLOT, b), value(w))
         held = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
         return rows, lambda s: 3 + int(torch.isin(s, held).sum())
     if table == "hot_stamp":  # any int32 is a stamp: nothing to repair, only ages change
         for b in (0, 5):
-            put((BAD_SLOT, b), value(w))
+            put((BAD_REQ_SLOT, b), value(w))
         return [1, 44, 45], lambda s: 0
     if table == "hot_clock":
-        put(BAD_SLOT, value(w))
+        put(BAD_REQ_SLOT, value(w))
         return [1, 44, 45], lambda s: 0
     raise AssertionError(table)
 
@@ -96,16 +96,16 @@ VALUES = {
 TABLES = ("page_table", "hot_slot_of", "hot_pos", "hot_stamp", "hot_clock")
 
 
-def own_rows(w, slot, batch_row):
+def own_rows(w, s, batch_row):
     """Device rows a request may be given: its hot rows, its pages, its staging row."""
-    pages = w.page_starts[slot].long()
+    pages = w.page_starts[s].long()
     page_rows = (pages[:, None] + torch.arange(w.page_size, device=DEVICE)[None, :]).flatten()
-    return set(w.hot_rows[slot].tolist()) | set(page_rows.tolist()) \
+    return set(w.hot_loc[s].tolist()) | set(page_rows.tolist()) \
         | set(w.staging_rows[batch_row].tolist())
 
 
 def call_and_gather(w, sel, copy):
-    out = w.call(sel, SLOTS, check_bytes=False, copy=copy)
+    out = w.call(sel, REQ_SLOTS, check_bytes=False, copy=copy)
     if copy is None:
         gather_rows(w.host_rows, w.device_rows, out[1], out[2], out[3])
     return out
@@ -137,56 +137,56 @@ def test_one_corrupted_request_among_several(table, value, path):
         call_and_gather(w, warm, copy)
     picks, expect = corrupt(bad, table, VALUES[value])
     if table == "page_table":  # the same pages are ready on the clean side
-        clean.make_direct(BAD_SLOT, [3, 10])
+        clean.make_direct(BAD_REQ_SLOT, [3, 10])
     idle_before = [t[1].clone() for t in bad.state()]
     sel = selections(bad, seed=2, bad_positions=picks)
     want = call_and_gather(clean, sel, copy)
     got = call_and_gather(bad, sel, copy)  # kernel == reference on the corrupted state
 
-    others = [r for r in range(len(SLOTS)) if r != BAD_ROW]
+    others = [r for r in range(len(REQ_SLOTS)) if r != BAD_ROW]
     for name, a, b in zip(OUTPUTS, got, want):
         assert_same(f"{name} of the other requests", a[others], b[others])
     for name, a, b in zip(STATE_NAMES, bad.state(), clean.state()):
-        for s in [SLOTS[r] for r in others]:
-            assert_same(f"{name} of slot {s}", a[s], b[s])
+        for s in [REQ_SLOTS[r] for r in others]:
+            assert_same(f"{name} of request slot {s}", a[s], b[s])
     for name, a, b in zip(STATE_NAMES, bad.state(), idle_before):
-        assert_same(f"{name} of the idle slot", a[1], b)
-    bad.check_bytes(sel, SLOTS, got[0])  # every request exact, the corrupted one re-fetched
+        assert_same(f"{name} of the idle request slot", a[1], b)
+    bad.check_bytes(sel, REQ_SLOTS, got[0])  # every request exact, the corrupted one re-fetched
     assert int(got[4][BAD_ROW, COUNTER_REPAIRS]) == expect(sel[BAD_ROW]), got[4]
     assert int(got[4][others, COUNTER_REPAIRS].sum()) == 0
     locs = got[0][BAD_ROW][sel[BAD_ROW] >= 0].tolist()
-    assert set(locs) <= own_rows(bad, BAD_SLOT, BAD_ROW), "a location outside the request's rows"
+    assert set(locs) <= own_rows(bad, BAD_REQ_SLOT, BAD_ROW), "a location outside the request's rows"
     bad.guards_intact()
 
     # repaired: the next call finds nothing to repair in the hot-cache tables
     sel2 = selections(bad, seed=3, bad_positions=picks)
     again = call_and_gather(bad, sel2, copy)
-    bad.check_bytes(sel2, SLOTS, again[0])
+    bad.check_bytes(sel2, REQ_SLOTS, again[0])
     left = expect(sel2[BAD_ROW]) if table == "page_table" else 0  # the page table is only read
     assert int(again[4][BAD_ROW, COUNTER_REPAIRS]) == left
     bad.guards_intact()
 
 
-@pytest.mark.parametrize("slot_id,repairs", [(-1, 0), (-2, 1), (4, 1), (I32_MAX, 1), (I32_MIN, 1)])
-def test_padding_and_out_of_range_slot_ids(slot_id, repairs, path):
+@pytest.mark.parametrize("req_slot,repairs", [(-1, 0), (-2, 1), (4, 1), (I32_MAX, 1), (I32_MIN, 1)])
+def test_padding_and_out_of_range_req_slots(req_slot, repairs, path):
     """Slot -1 is a padding row (CUDA-graph padding); any other id outside [0, S) is
     treated the same and counted.  Neither touches state; the real rows are unaffected."""
     copy = None if path == "chunked" else True
     clean, w = make_world(), make_world()
     sel = selections(w, seed=4)
-    slots = list(SLOTS)
-    slots[BAD_ROW] = slot_id
-    want = clean.call(sel, SLOTS, check_bytes=False, copy=copy)
+    req_slots = list(REQ_SLOTS)
+    req_slots[BAD_ROW] = req_slot
+    want = clean.call(sel, REQ_SLOTS, check_bytes=False, copy=copy)
     before = [t.clone() for t in w.state()]
-    got = w.call(sel, slots, check_bytes=False, copy=copy)
+    got = w.call(sel, req_slots, check_bytes=False, copy=copy)
     assert bool((got[0][BAD_ROW] == -1).all())
     assert int(got[3][BAD_ROW]) == 0 and bool((got[2][BAD_ROW] == -1).all())
     assert got[4][BAD_ROW].tolist() == [0, 0, 0, 0, repairs, 0]
-    others = [r for r in range(len(SLOTS)) if r != BAD_ROW]
+    others = [r for r in range(len(REQ_SLOTS)) if r != BAD_ROW]
     for name, a, b in zip(OUTPUTS, got, want):
         assert_same(f"{name} of the real rows", a[others], b[others])
     for name, a, b in zip(STATE_NAMES, w.state(), before):
-        assert_same(f"{name} of the padding row's slot", a[BAD_SLOT], b[BAD_SLOT])
+        assert_same(f"{name} of the padding row's request slot", a[BAD_REQ_SLOT], b[BAD_REQ_SLOT])
     w.guards_intact()
 
 
@@ -198,17 +198,17 @@ def test_all_direct_call_leaves_the_hot_cache_state_alone(path):
     them."""
     copy = None if path == "chunked" else True
     w = make_world()
-    w.make_direct(BAD_SLOT, [3, 10])
+    w.make_direct(BAD_REQ_SLOT, [3, 10])
     call_and_gather(w, selections(w, seed=1), copy)  # warm; creates the reference shadow
     w._table = "hot_pos"
     corrupt(w, "hot_pos", lambda w: w.P + 3)
     direct = {2: [4, 5, 27, 24], 0: [12, 15, 40, 43], 3: [0, 1, 2, 3]}  # ready pages only
-    sel = torch.full((len(SLOTS), 3, 4), -1, dtype=torch.int32)
-    for r, s in enumerate(SLOTS):
+    sel = torch.full((len(REQ_SLOTS), 3, 4), -1, dtype=torch.int32)
+    for r, s in enumerate(REQ_SLOTS):
         sel[r, 1] = torch.tensor(direct[s])
     before = [t.clone() for t in w.state()]
     out = call_and_gather(w, sel.to(DEVICE), copy)
-    w.check_bytes(sel, SLOTS, out[0])
+    w.check_bytes(sel, REQ_SLOTS, out[0])
     assert out[4][:, COUNTER_REPAIRS].tolist() == [0, 0, 0]
     assert out[4][:, 0].tolist() == [4, 4, 4]
     for name, a, b in zip(STATE_NAMES, w.state(), before):
@@ -220,13 +220,13 @@ def test_all_direct_call_leaves_the_hot_cache_state_alone(path):
 
 
 def test_reference_refuses_to_wrap_negative_slots():
-    """Negative entries never index from the end (slot -1 used to become slot B-1)."""
+    """Negative entries never index from the end (hot slot -1 used to become hot slot B-1)."""
     w = make_world()
     w._table = "hot_slot_of"
-    corrupt(w, "hot_slot_of", lambda w: -1 - w.B + 2)  # -7: would wrap to slot 1
+    corrupt(w, "hot_slot_of", lambda w: -1 - w.B + 2)  # -7: would wrap to hot slot 1
     sel = selections(w, seed=5, bad_positions=[5, 20, 33, 40, 40])
-    out = w.call(sel, SLOTS, check_bytes=False, copy=True)
-    w.check_bytes(sel, SLOTS, out[0])
+    out = w.call(sel, REQ_SLOTS, check_bytes=False, copy=True)
+    w.check_bytes(sel, REQ_SLOTS, out[0])
     assert int(out[4][BAD_ROW, COUNTER_REPAIRS]) == 5
 
 
@@ -242,21 +242,21 @@ def _direct_call(args, **kw):
     return got
 
 
-def _tables(n_slots, budget, positions, n_pages, page_size=4):
+def _tables(n_req_slots, hot_cache_rows, positions, n_pages, page_size=4):
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    return dict(page_table=torch.full((n_slots, n_pages), -1, **i32), page_size=page_size,
-                hot_pos=torch.full((n_slots, budget), -1, **i32),
-                hot_rows=torch.arange(n_slots * budget, **i32).view(n_slots, budget),
-                hot_stamp=torch.zeros(n_slots, budget, **i32),
-                hot_clock=torch.zeros(n_slots, **i32),
-                hot_slot_of=torch.full((n_slots, positions), -1, **i32),
-                host_base=torch.zeros(n_slots, dtype=torch.int64, device=DEVICE))
+    return dict(page_table=torch.full((n_req_slots, n_pages), -1, **i32), page_size=page_size,
+                hot_pos=torch.full((n_req_slots, hot_cache_rows), -1, **i32),
+                hot_loc=torch.arange(n_req_slots * hot_cache_rows, **i32).view(n_req_slots, hot_cache_rows),
+                hot_stamp=torch.zeros(n_req_slots, hot_cache_rows, **i32),
+                hot_clock=torch.zeros(n_req_slots, **i32),
+                hot_slot_of=torch.full((n_req_slots, positions), -1, **i32),
+                host_base=torch.zeros(n_req_slots, dtype=torch.int64, device=DEVICE))
 
 
 def test_no_slots_at_all_every_row_is_padding():
     """S = 0: nothing may be read from the (empty) tables."""
     args = dict(selections=torch.tensor([[[0, 1]], [[2, -1]]], dtype=torch.int32, device=DEVICE),
-                slot_ids=torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE),
+                req_slots=torch.tensor([-1, 0], dtype=torch.int32, device=DEVICE),
                 staging_rows=torch.zeros(2, 0, dtype=torch.int32, device=DEVICE),
                 **_tables(0, 4, 8, 2))
     got = _direct_call(args, num_device_rows=16)
@@ -266,7 +266,7 @@ def test_no_slots_at_all_every_row_is_padding():
 def test_pool_smaller_than_a_page():
     """R < page_size: every ready-looking page entry is out of range, -1 stays -1."""
     args = dict(selections=torch.tensor([[[0, 5]]], dtype=torch.int32, device=DEVICE),
-                slot_ids=torch.tensor([0], dtype=torch.int32, device=DEVICE),
+                req_slots=torch.tensor([0], dtype=torch.int32, device=DEVICE),
                 staging_rows=torch.zeros(1, 0, dtype=torch.int32, device=DEVICE),
                 **_tables(1, 4, 8, 2))
     args["page_table"][0, 1] = 0
@@ -278,10 +278,10 @@ def test_page_entries_before_the_sources_first_row_are_repaired(path):
     """Pools sharing one storage: the source's rows are [F, R); an entry below F (another
     source's pool) is a page not ready, like one past R - page_size."""
     args = dict(selections=torch.tensor([[[0, 1, 4, 5, 9]]], dtype=torch.int32, device=DEVICE),
-                slot_ids=torch.tensor([0], dtype=torch.int32, device=DEVICE),
+                req_slots=torch.tensor([0], dtype=torch.int32, device=DEVICE),
                 staging_rows=torch.zeros(1, 8, dtype=torch.int32, device=DEVICE),
                 **_tables(1, 4, 12, 3))
-    args["hot_rows"] += 40
+    args["hot_loc"] += 40
     args["page_table"][0] = torch.tensor([20, 19, 32], dtype=torch.int32)  # F = 20, R = 36
     got = _direct_call(args, first_device_row=20, num_device_rows=36)
     assert got[0][0, 0, :2].tolist() == [20, 21]  # page 0 at F: direct

@@ -5,11 +5,11 @@ the reference backend, and the bytes read back are the rows."""
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_invariants import check_invariants
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: interpreter
-SPEC = dict(name="s", row_bytes=12, page_size=2, device_pages=24, host_rows=200, hot_rows=4,
-            tail_pages=1, max_slots=4, max_rows=40, segments=(4, 8))
+SPEC = dict(name="s", row_bytes=12, page_size=2, device_pages=24, host_rows=200, hot_cache_rows=4,
+            tail_pages=1, max_req_slots=4, max_rows=40, plane_bytes=(4, 8))
 
 
 def rows(n, seed):

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_faults import fail_next_backup
+from tests.hierarchy_invariants import check_invariants
 
-SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_rows=3,
-                tail_pages=2, max_slots=5, max_rows=80),
-           dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_rows=2,
-                tail_pages=1, max_slots=5, max_rows=80, segments=(4, 1))]
+SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_cache_rows=3,
+                tail_pages=2, max_req_slots=5, max_rows=80),
+           dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=500, hot_cache_rows=2,
+                tail_pages=1, max_req_slots=5, max_rows=80, plane_bytes=(4, 1))]
 
 
 def rows(n, width, seed):
@@ -74,10 +75,10 @@ def test_batch_equals_one_append_per_request(seed):
         if step % 3 != 2:  # some steps skip step(): tails fill up, the slow path flushes
             each.step()
             batch.step()
-        if step % 4 == 3:  # a request leaves, a new one takes its slot
+        if step % 4 == 3:  # a request leaves, a new one takes its request slot
             gone = ids.pop(int(torch.randint(0, len(ids), (1,), generator=g)))
             new = f"n{step}"
-            # about as long as the one that left: the slot's last tail page was at that length
+            # about as long as the one that left: the request slot's last tail page was at that length
             imported = {s["name"]: rows(max(1, truth[gone][s["name"]].shape[0]
                                             - int(torch.randint(0, 3, (1,), generator=g))),
                                         s["row_bytes"], 7 * step + j)
@@ -117,7 +118,7 @@ def test_a_failed_backup_on_the_full_tail_path_fails_that_request_alone():
     for r in ("r0", "r1"):  # fill b's single tail page of both to its end
         n = b.spec.page_size - b.state.seq_len(r) % b.spec.page_size
         h.append_batch("b", [r], rows(n, 5, 7))
-    b.host.fail_next_backup_of.add("r1")
+    fail_next_backup(b.host, "r1")
     lens = {r: b.state.seq_len(r) for r in ("r0", "r1", "r2")}
     failed = h.append_batch("b", ["r0", "r1", "r2"], rows(3, 5, 8))
     assert set(failed) == {"r1"} and isinstance(failed["r1"], HostBackupError)

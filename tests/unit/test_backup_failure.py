@@ -4,13 +4,14 @@ import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_faults import fail_next_backup
+from tests.hierarchy_invariants import check_invariants
 
 SOURCES = [
-    dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=200, hot_rows=3,
-         tail_pages=1, max_slots=4, max_rows=40),
-    dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=200, hot_rows=4,
-         tail_pages=2, max_slots=4, max_rows=40, segments=(4, 1)),
+    dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=200, hot_cache_rows=3,
+         tail_pages=1, max_req_slots=4, max_rows=40),
+    dict(name="b", row_bytes=5, page_size=3, device_pages=40, host_rows=200, hot_cache_rows=4,
+         tail_pages=2, max_req_slots=4, max_rows=40, plane_bytes=(4, 1)),
 ]
 
 
@@ -26,7 +27,7 @@ def imported(n, seed):
 def test_admission_backup_failure_rolls_back_every_source():
     h = KVHierarchy(SOURCES, eager_backup=True)
     free = {n: p.pool.num_free for n, p in h.sources.items()}
-    h.source("b").host.fail_next_backup_of.add("x")
+    fail_next_backup(h.source("b").host, "x")
     with pytest.raises(HostBackupError) as e:
         h.admit("x", 30, imported(12, 0))
     assert e.value.req_id == "x"
@@ -40,7 +41,7 @@ def test_admission_backup_failure_rolls_back_every_source():
 def test_tail_backup_failure_releases_only_its_request():
     h = KVHierarchy(SOURCES)
     assert h.admit("ok", 30, imported(6, 0)) and h.admit("bad", 30, imported(6, 2))
-    h.source("a").host.fail_next_backup_of.add("bad")
+    fail_next_backup(h.source("a").host, "bad")
     for step in range(4):  # fill tail pages until they complete and get backed up
         for rid in list(h.requests):
             h.append(rid, "a", rows(2, 3, step))
@@ -58,7 +59,7 @@ def test_victim_backup_failure_fails_the_victim_not_the_admission():
     h = KVHierarchy(small)  # deferred backup: optional pages have no host copy yet
     assert h.admit("v", 30, imported(12, 0))
     assert h.source("a").residency.optional_pages() > 0
-    h.source("a").host.fail_next_backup_of.add("v")
+    fail_next_backup(h.source("a").host, "v")
     assert h.admit("n1", 30, imported(4, 3)) and h.admit("n2", 30, imported(4, 4))
     failures = h.take_failures()
     assert list(failures) == ["v"] and "v" not in h.requests, failures

@@ -5,7 +5,7 @@ from vllm_dhisparse.config import DHiSparseConfig, describe
 
 def test_defaults_need_no_keys():
     cfg = DHiSparseConfig.from_extra_config({})
-    assert cfg.hot_rows_for(512) == 1024
+    assert cfg.hot_cache_rows_for(512) == 1024
     assert cfg.reclaim_policy == "largest_first"
 
 
@@ -37,7 +37,7 @@ def test_bad_values_name_key_and_allowed(key, value, needle):
 def test_hot_cache_smaller_than_topk_rejected():
     cfg = DHiSparseConfig.from_extra_config({"hot_cache_rows": 100})
     with pytest.raises(ValueError, match="hot_cache_rows.*top-k 512"):
-        cfg.hot_rows_for(512)
+        cfg.hot_cache_rows_for(512)
 
 
 def test_int_accepted_for_float_and_describe_lists_all():

@@ -37,9 +37,9 @@ def test_page_rows_and_bad_sizes():
         p.allocate(-1)
 
 
-def test_segment_planes_round_trip_and_layout():
+def test_planes_round_trip_and_layout():
     """Rows split into planes: read/write move whole rows; planes are back to back."""
-    p = DevicePagePool(name="s", num_pages=3, page_size=2, row_bytes=5, segments=(4, 1))
+    p = DevicePagePool(name="s", num_pages=3, page_size=2, row_bytes=5, plane_bytes=(4, 1))
     data = torch.arange(30, dtype=torch.uint8).view(6, 5)
     locs = torch.tensor([5, 0, 3, 1, 4, 2])
     p.write(locs, data)
@@ -47,7 +47,7 @@ def test_segment_planes_round_trip_and_layout():
     # storage = [6 rows x 4 bytes][6 rows x 1 byte]: the fp8_ds_mla block layout
     assert torch.equal(p.storage[:24].view(6, 4)[locs], data[:, :4])
     assert torch.equal(p.storage[24:][locs], data[:, 4])
-    with pytest.raises(AttributeError, match="segments"):
+    with pytest.raises(AttributeError, match="planes"):
         p.rows
-    with pytest.raises(ValueError, match="segments"):
-        DevicePagePool(name="bad", num_pages=1, page_size=1, row_bytes=5, segments=(4, 2))
+    with pytest.raises(ValueError, match="plane_bytes"):
+        DevicePagePool(name="bad", num_pages=1, page_size=1, row_bytes=5, plane_bytes=(4, 2))

@@ -16,16 +16,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_invariants import check_invariants
 from vllm_dhisparse.hierarchy.reclaim_policies import RECLAIM_POLICIES
 
 # Small odd widths and page sizes; device pools small enough that admissions reclaim.
 SOURCES = [
-    dict(name="a", row_bytes=3, page_size=2, device_pages=30, host_rows=180, hot_rows=3,
-         tail_pages=1, max_slots=6, max_rows=30),  # K*k - B <= 4*2 - 3
-    dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_rows=4,
-         tail_pages=2, max_slots=6, max_rows=30,  # K*k - B <= 4*3 - 4
-         segments=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
+    dict(name="a", row_bytes=3, page_size=2, device_pages=30, host_rows=180, hot_cache_rows=3,
+         tail_pages=1, max_req_slots=6, max_rows=30),  # K*k - B <= 4*2 - 3
+    dict(name="b", row_bytes=5, page_size=3, device_pages=34, host_rows=180, hot_cache_rows=4,
+         tail_pages=2, max_req_slots=6, max_rows=30,  # K*k - B <= 4*3 - 4
+         plane_bytes=(4, 1)),  # rows stored in two planes, like fp8_ds_mla's 576 + 8 bytes
 ]
 MAX_K = {"a": 2, "b": 3}
 STAGING = dict(arenas=1, columns=8)  # one arena per row layout, the widest overflow
@@ -48,13 +48,11 @@ class HierarchyMachine(RuleBasedStateMachine):
                 optional=st.booleans(), eager=st.booleans(), repop=st.integers(1, 3),
                 run=st.integers(1, 3))
     def build(self, policy, reserve, optional, eager, repop, run):
+        # short runs: placement, reclaim and tail backup copies split
         self.h = KVHierarchy(SOURCES, reclaim_policy=policy, admission_reserve_pages=reserve,
                              optional_residency=optional, eager_backup=eager,
-                             repopulate_pages_per_step=repop, device=self.device,
-                             staging=STAGING)
-        for parts in self.h.sources.values():  # short runs: placement, reclaim and tail
-            parts.residency.RUN_PAGES = run    # backup copies split
-            parts.residency.tail.BATCH_PAGES = run
+                             repopulate_pages_per_step=repop, run_pages=run,
+                             device=self.device, staging=STAGING)
         self.truth: dict[str, dict[str, torch.Tensor]] = {}
         self.max_rows: dict[str, int] = {}
         self.next_id = 0

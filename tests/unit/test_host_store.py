@@ -3,6 +3,8 @@ import torch
 
 from vllm_dhisparse.hierarchy.host_store import HostBackupError, HostStore
 
+from tests.hierarchy_faults import fail_next_backup
+
 
 def store(rows=32, width=3):
     return HostStore(name="h", row_bytes=width, capacity_rows=rows, pin=False)
@@ -62,10 +64,10 @@ def test_complete_after_free_is_harmless():
     assert pending.done and not h.has("a")
 
 
-def test_fault_injection_fails_once_and_marks_nothing():
+def test_a_failed_backup_marks_nothing_and_the_next_one_runs():
     h = store()
     h.allocate("a", 8)
-    h.fail_next_backup_of.add("a")
+    fail_next_backup(h, "a")
     with pytest.raises(HostBackupError, match="'a'"):
         h.prepare_backup("a", 0, data(1))
     assert not bool(h.backed("a").any())
@@ -114,7 +116,7 @@ def test_hierarchy_refuses_a_host_pool_larger_than_ram():
     rows = avail // 1000 + 1  # one more 1000-byte row than RAM holds: nothing is allocated
     with pytest.raises(ValueError, match="host_pool_gib.*GiB is available"):
         KVHierarchy([dict(name="s", row_bytes=1000, page_size=4, device_pages=4, host_rows=rows,
-                          hot_rows=4, tail_pages=1, max_slots=1, max_rows=8)])
+                          hot_cache_rows=4, tail_pages=1, max_req_slots=1, max_rows=8)])
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,7 +9,7 @@ pytest.importorskip("matplotlib", reason="pip install -e .[plot]")
 
 
 def _series():
-    # 4 samples: slots 0 -> 2 -> 2 -> 1, coverage undefined -> 50% -> 100%, host share 0.5 then 0
+    # 4 samples: request slots 0 -> 2 -> 2 -> 1, coverage undefined -> 50% -> 100%, host share 0.5 then 0
     cols = [(0, 0, 0, 0, 0), (2, 64, 128, 100, 50), (2, 128, 128, 200, 50), (1, 64, 64, 300, 50)]
     return [{"t": float(i), "admitted_requests": a, "ready_optional_rows": r,
              "eligible_history_rows": e, "selected_rows": s, "selected_rows_host": h}
@@ -18,7 +18,7 @@ def _series():
 
 def test_derive():
     d = P.derive(_series())
-    assert d["slots"] == [0, 2, 2, 1]
+    assert d["req_slots"] == [0, 2, 2, 1]
     assert d["coverage"] == [None, 50.0, 100.0, 100.0]
     assert d["share"] == [None, 50.0, 0.0, 0.0]
     assert P.derive(_series(), window=2)["share"][2] == 25.0

@@ -8,7 +8,7 @@ from vllm_dhisparse.integration.pool_sizing import (LayerShape, device_pool_byte
                                                     plan_sources, plan_staging, staging_sizes)
 
 LAYER = LayerShape("l0", compress_ratio=4, top_k=512, row_bytes=584, rows_per_block=64,
-                   segments=(576, 8))
+                   plane_bytes=(576, 8))
 
 
 def test_auto_is_the_floor_plus_one_hot_cache_per_running_request():

@@ -5,7 +5,8 @@ import torch
 
 from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, NUM_COUNTERS
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_faults import fail_next_backup
+from tests.hierarchy_invariants import check_invariants
 
 PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
 
@@ -13,7 +14,7 @@ PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
 def make(device_pages, tail_pages=1, sources=("s",), **knobs):
     pages = device_pages if isinstance(device_pages, dict) else dict.fromkeys(sources, device_pages)
     specs = [dict(name=n, row_bytes=W, page_size=PS, device_pages=pages[n], host_rows=400,
-                  hot_rows=B, tail_pages=tail_pages, max_slots=8, max_rows=40) for n in sources]
+                  hot_cache_rows=B, tail_pages=tail_pages, max_req_slots=8, max_rows=40) for n in sources]
     return KVHierarchy(specs, **knobs), {}
 
 
@@ -42,7 +43,7 @@ def rec(h, req, source="s"):
 
 def verify_optional(h, req, pages, source="s"):
     assert sorted(rec(h, req, source).optional) == pages
-    table = h.sources[source].state.page_table[h.sources[source].state.slot(req)]
+    table = h.sources[source].state.page_table[h.sources[source].state.req_slot(req)]
     for p in pages:
         assert int(table[p]) >= 0, f"optional page {p} of {req} not published"
 
@@ -187,7 +188,7 @@ def test_backup_failure_during_reclaim_fails_only_the_victim():
     """The victim whose deferred backup fails is released and reported
     (``take_failures``); the admission that needed its pages proceeds."""
     h, truth = pressured("largest_first")
-    h.sources["s"].host.fail_next_backup_of.add("r0")
+    fail_next_backup(h.sources["s"].host, "r0")
     assert admit_failing_victim(h, truth, "r3")
     failures = h.take_failures()
     assert list(failures) == ["r0"] and "'r0'" in failures["r0"]
@@ -205,15 +206,14 @@ def admit_failing_victim(h, truth, req):
     return ok
 
 
-def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
+def test_reclaim_backs_up_scattered_pages_in_bounded_runs():
     """Reclaim copies device-only pages in runs of consecutive history pages (one host
-    copy each, at most RUN_PAGES long), gathering rows from scattered device
+    copy each, at most run_pages long), gathering rows from scattered device
     pages, and skips pages that already have a host copy."""
-    from vllm_dhisparse.hierarchy.residency import ResidencyManager, _runs
+    from vllm_dhisparse.hierarchy.residency import _runs
     assert _runs([0, 1, 2, 4, 5, 9], 2) == [[0, 1], [2], [4, 5], [9]]
     assert _runs([], 4) == []
-    monkeypatch.setattr(ResidencyManager, "RUN_PAGES", 2)
-    h, truth = make(20)
+    h, truth = make(20, run_pages=2)
     for i in range(5):  # pages 3i .. 3i+2 each
         assert admit(h, truth, f"x{i}", 0)
     for i in (1, 3):
@@ -234,17 +234,15 @@ def test_reclaim_backs_up_scattered_pages_in_bounded_runs(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA copy stream")
-def test_reclaim_gathers_stay_alive_until_their_copy_ran(monkeypatch):
+def test_reclaim_gathers_stay_alive_until_their_copy_ran():
     """Scattered device pages of two planes are gathered on the compute stream and joined
     on the copy stream; with the copy stream busy (earlier backups), a gathered buffer
     freed early would be handed to the next run's gather before the join read it."""
-    from vllm_dhisparse.hierarchy.residency import ResidencyManager
-    monkeypatch.setattr(ResidencyManager, "RUN_PAGES", 2)
     ps, n = 64, 200  # history pages
-    spec = dict(name="c", row_bytes=584, page_size=ps, segments=(576, 8),
-                device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_rows=ps, tail_pages=1,
-                max_slots=2, max_rows=(n + 2) * ps)
-    h = KVHierarchy([spec], device="cuda")
+    spec = dict(name="c", row_bytes=584, page_size=ps, plane_bytes=(576, 8),
+                device_pages=2 * n + 8, host_rows=(n + 4) * ps, hot_cache_rows=ps, tail_pages=1,
+                max_req_slots=2, max_rows=(n + 2) * ps)
+    h = KVHierarchy([spec], device="cuda", run_pages=2)
     parts = h.sources["c"]
     held = parts.pool.allocate(parts.pool.num_free)
     parts.pool.free(held[::2])  # every other page free: the optional pages scatter
@@ -278,7 +276,7 @@ def test_repopulation_is_bounded_and_round_robin():
     check_invariants(h, truth)  # (c): no pending page is published
     counters = verify_resolves(h, truth, "r0")  # pending rows served through hot/host
     assert int(counters[COUNTER_DIRECT]) == 0
-    h.step()  # publishes both; budget 1 left above reserve -> r2 is next in the round
+    h.step()  # publishes both; room for 1 above reserve -> r2 is next in the round
     assert sorted(rec(h, "r0").optional) == [3] and sorted(rec(h, "r1").optional) == [1, 2, 3]
     assert sorted(rec(h, "r2").pending) == [2]
     h.step()
@@ -310,9 +308,9 @@ def test_a_reclaimed_request_is_repopulated_again():
     verify_resolves(h, truth, "r0")
 
 
-def test_a_readmitted_request_resolves_through_its_new_slot():
-    """Resolving the same batch again reuses its slot tensor; a slot that closed and
-    opened in between must not leave a stale one (a would read c's rows)."""
+def test_a_readmitted_request_resolves_through_its_new_request_slot():
+    """Resolving the same batch again reuses its request-slot tensor; a request slot that
+    closed and opened in between must not leave a stale one (a would read c's rows)."""
     h, truth = make(20)
     ids = ["a", "b"]
     assert admit(h, truth, "a", 4) and admit(h, truth, "b", 4)
@@ -327,7 +325,7 @@ def test_a_readmitted_request_resolves_through_its_new_slot():
     check()
     h.finish("a")
     truth.pop("a")
-    assert admit(h, truth, "c", 4)  # takes a's slot
+    assert admit(h, truth, "c", 4)  # takes a's request slot
     assert admit(h, truth, "a", 5)
     check()
     check_invariants(h, truth)
@@ -381,7 +379,7 @@ def test_a_failed_tail_backup_does_not_hold_back_the_others():
     h, truth = make(30, tail_pages=2)
     for r in ("bad", "r1", "r2"):
         assert admit(h, truth, r, 3)
-    h.sources["s"].host.fail_next_backup_of.add("bad")
+    fail_next_backup(h.sources["s"].host, "bad")
     for i, r in enumerate(("bad", "r1", "r2")):
         append(h, truth, r, 1, seed=10 + i)  # page 1 complete in each
     h.step()
@@ -428,9 +426,9 @@ def test_optional_residency_off():
 
 
 def test_config_errors_name_the_value():
-    with pytest.raises(ValueError, match="hot_rows=0"):
+    with pytest.raises(ValueError, match="hot_cache_rows=0"):
         KVHierarchy([dict(name="s", row_bytes=3, page_size=2, device_pages=8, host_rows=40,
-                          hot_rows=0, tail_pages=1, max_slots=2, max_rows=20)])
+                          hot_cache_rows=0, tail_pages=1, max_req_slots=2, max_rows=20)])
     with pytest.raises(ValueError, match="reserve 6"):
         make(8, admission_reserve_pages=6)
     with pytest.raises(ValueError, match="largest_first"):

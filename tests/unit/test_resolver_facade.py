@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
                                                      COUNTER_HOT, COUNTER_INVALID)
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_invariants import check_invariants
 
 PS, W, B = 3, 5, 4
 
@@ -18,8 +18,8 @@ def rows(n, seed):
 @pytest.fixture
 def setup():
     """r_dev: all history on device; r_host: history reclaimed to host (tail holds the last row)."""
-    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=200, hot_rows=B,
-                tail_pages=1, max_slots=4, max_rows=30)
+    spec = dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=200, hot_cache_rows=B,
+                tail_pages=1, max_req_slots=4, max_rows=30)
     h = KVHierarchy([spec], staging=dict(arenas=1, columns=8))  # required: 2 hot + 1 tail
     truth = {"r_host": {"s": rows(13, 1)}, "r_dev": {"s": rows(7, 2)}}
     assert h.admit("r_host", 30, {"s": truth["r_host"]["s"]})  # 4 optional -> 1 free
@@ -126,7 +126,7 @@ def test_unknown_request_and_source(setup):
 
 def test_overflow_needs_staging_when_none_reserved():
     h = KVHierarchy([dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=100,
-                          hot_rows=2, tail_pages=1, max_slots=2, max_rows=20)])
+                          hot_cache_rows=2, tail_pages=1, max_req_slots=2, max_rows=20)])
     assert h.admit("r", 20, {"s": rows(9, 0)})
     with pytest.raises(ValueError, match="staging_rows"):
         h.resolve("s", ["r"], sel([0, 1], [2, 3]))
@@ -168,7 +168,7 @@ def test_shared_retrieval_fetches_each_row_once(setup):
 def test_cuda_and_cuda_index_are_one_device():
     """Tables made on "cuda", selections on cuda:0 (what tensors report): one GPU."""
     h = KVHierarchy([dict(name="s", row_bytes=W, page_size=PS, device_pages=8, host_rows=100,
-                          hot_rows=4, tail_pages=1, max_slots=2, max_rows=20)], device="cuda")
+                          hot_cache_rows=4, tail_pages=1, max_req_slots=2, max_rows=20)], device="cuda")
     assert h.admit("r", 20, {"s": rows(9, 0).cuda()})
     loc, c = h.resolve("s", ["r"], torch.tensor([[[0, 5, 8, -1]]], dtype=torch.int32,
                                                 device=torch.device("cuda", 0)))
@@ -177,15 +177,15 @@ def test_cuda_and_cuda_index_are_one_device():
 
 def test_the_clock_wraps_and_the_invariants_hold(setup):
     """Any int32 is a stamp: a request whose clock wraps from INT32_MAX keeps resolving
-    exactly, evicts its oldest slots first, and no invariant calls the wrapped stamps
+    exactly, evicts its oldest hot slots first, and no invariant calls the wrapped stamps
     'ahead of the clock'."""
     h, truth = setup
     st = h.sources["s"].state
-    slot = st.slot("r_host")
-    st.hot_clock[slot] = 2**31 - 2
-    st.hot_stamp[slot] = 2**31 - 2
-    for rows_ in ([0, -1, -1, -1], [0, 1, -1, -1], [2, 0, -1, -1]):  # slots left unstamped
+    s = st.req_slot("r_host")
+    st.hot_clock[s] = 2**31 - 2
+    st.hot_stamp[s] = 2**31 - 2
+    for rows_ in ([0, -1, -1, -1], [0, 1, -1, -1], [2, 0, -1, -1]):  # hot slots left unstamped
         loc, _ = h.resolve("s", ["r_host"], sel(rows_))
         verify_exact(h, truth, ["r_host"], sel(rows_), loc)
         check_invariants(h, truth)
-    assert int(st.hot_clock[slot]) == -2**31 + 1  # three calls: INT32_MAX - 1 -> wrapped
+    assert int(st.hot_clock[s]) == -2**31 + 1  # three calls: INT32_MAX - 1 -> wrapped

@@ -10,9 +10,9 @@ def tiny(**kw) -> ModelShape:
     # pages of 4 rows; tail of 4 rows; k = 2; draft W = 5, 7 bytes/row, K_max = 3.
     base = dict(
         name="tiny",
-        payload=(PayloadSource("kv", row_bytes=10, count=3, hot_rows=8),),
+        payload=(PayloadSource("kv", row_bytes=10, count=3, hot_cache_rows=8),),
         index=(IndexState("idx", row_bytes=4, count=2),),
-        page_size=4, tail_rows=4, top_k=2, resolver_states=2, metadata_budget=8,
+        page_size=4, tail_rows=4, top_k=2, resolver_states=2, metadata_hot_cache_rows=8,
         draft=DraftShape(window=5, row_bytes=7, k_max=3), live_sources=2)
     base.update(kw)
     return ModelShape(**base)
@@ -89,7 +89,7 @@ def test_speculative_adds_ring_and_staging_only_where_it_applies():
 
 def test_compressed_and_windowed_sources():
     s = tiny(payload=(
-        PayloadSource("c4", row_bytes=3, count=1, tokens_per_row=4, hot_rows=2),
+        PayloadSource("c4", row_bytes=3, count=1, tokens_per_row=4, hot_cache_rows=2),
         PayloadSource("swa", row_bytes=5, count=2, offloaded=False, window_rows=4),
     ), index=())
     # 33 tokens: c4 rows ceil(33/4) = 9 -> 12 with pages of 4; swa capped at one page of 4
@@ -100,5 +100,5 @@ def test_compressed_and_windowed_sources():
 
 
 def test_rejects_offloaded_source_without_hot_cache():
-    with pytest.raises(ValueError, match="hot_rows"):
-        PayloadSource("kv", row_bytes=10, hot_rows=0)
+    with pytest.raises(ValueError, match="hot_cache_rows"):
+        PayloadSource("kv", row_bytes=10, hot_cache_rows=0)

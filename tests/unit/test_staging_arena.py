@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.hierarchy.invariants import check_invariants
+from tests.hierarchy_invariants import check_invariants
 from vllm_dhisparse.hierarchy.specs import SourceSpec
 
 PS, W, B = 3, 5, 4
@@ -27,7 +27,7 @@ def rows(n, seed):
 
 def spec(name, **kw):
     return dict(dict(name=name, row_bytes=W, page_size=PS, device_pages=12, host_rows=200,
-                     hot_rows=B, tail_pages=1, max_slots=2, max_rows=30, segments=(4, 1)), **kw)
+                     hot_cache_rows=B, tail_pages=1, max_req_slots=2, max_rows=30, plane_bytes=(4, 1)), **kw)
 
 
 def hierarchy(arenas=1, sources=("a", "b")):
@@ -73,7 +73,7 @@ def test_take_and_release():
     with pytest.raises(ValueError, match="exceed the 10 columns"):
         with h.staging_arena("a") as lease:
             lease.overflow_rows([0], COLUMNS + 1)
-    with pytest.raises(ValueError, match="outside the 2 request slots"):
+    with pytest.raises(ValueError, match="outside the 2 batch rows"):
         with h.staging_arena("a") as lease:
             lease.fresh_rows(2, 1)
     check_invariants(h, truth)  # nothing held, no table points into the arena
@@ -114,7 +114,7 @@ def test_a_source_cannot_stage_while_chi_arenas_are_held():
     h2, truth = hierarchy(arenas=2, sources=("a", "b", "c"))
     with h2.staging_arena("a") as la, h2.staging_arena("b") as lb:
         assert {la.index, lb.index} == {0, 1}
-        # two live layers write the same request slots of different arenas
+        # two live layers write the same batch rows of different arenas
         loc_a, _ = h2.resolve("a", ["r0", "r1"], SEL, arena=la)
         loc_b, _ = h2.resolve("b", ["r0", "r1"], SEL, arena=lb)
         verify_rows(h2, "a", truth, ["r0", "r1"], SEL, loc_a)
@@ -180,7 +180,7 @@ def test_arenas_are_allocated_once_per_layout_and_no_pool_reserves_staging():
     assert len(h.device_rows) == 1  # one storage: the attention op reads one tensor
     for parts in h.sources.values():
         assert parts.residency.required_per_request == -(-B // PS) + 1  # hot + tail only
-    mixed = KVHierarchy([spec("a"), spec("w", row_bytes=7, segments=None)],
+    mixed = KVHierarchy([spec("a"), spec("w", row_bytes=7, plane_bytes=None)],
                         staging=dict(arenas=1, columns=COLUMNS))
     assert len(mixed.device_rows) == 2 and len(mixed.staging) == 2  # one per row layout
     assert mixed.sources["a"].arenas is not mixed.sources["w"].arenas
@@ -193,9 +193,9 @@ def test_a_corrupt_page_entry_never_reads_another_sources_rows_or_an_arena():
     h, truth = hierarchy()
     a, b = h.sources["a"], h.sources["b"]
     assert a.pool.storage.data_ptr() == b.pool.storage.data_ptr()  # one storage
-    slot = b.state.slot("r0")
-    b.state.page_table[slot, 0] = a.pool.row_range[0]  # rows 0-2 of r0: a's first page
-    b.state.page_table[slot, 1] = b.arenas.base_row  # rows 3-5: the arena's first rows
+    s = b.state.req_slot("r0")
+    b.state.page_table[s, 0] = a.pool.row_range[0]  # rows 0-2 of r0: a's first page
+    b.state.page_table[s, 1] = b.arenas.base_row  # rows 3-5: the arena's first rows
     sel = torch.tensor([[[0, 2, 3, 5]], [[0, 2, 3, 5]]], dtype=torch.int32)
     loc, counters = h.resolve("b", ["r0", "r1"], sel)
     verify_rows(h, "b", truth, ["r0", "r1"], sel, loc)

@@ -23,13 +23,13 @@ from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.stats import METRICS, StatsCollector, read  # noqa: E402
 
 from tests.fault_injection import FaultyWorkerSide  # noqa: E402
-from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
+from tests.hierarchy_invariants import check_invariants  # noqa: E402
 
 # 16 and 8 tokens per vLLM block
 LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=4, group=0,
-                      segments=(4, 2)),
+                      plane_bytes=(4, 2)),
           SparseLayer("l1", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=2, group=1,
-                      segments=(5, 1))]
+                      plane_bytes=(5, 1))]
 NUM_BLOCKS = 40
 fresh_newest_blocks = R.newest_blocks  # unpatched, for a map built from scratch
 

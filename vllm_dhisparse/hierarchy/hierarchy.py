@@ -20,7 +20,7 @@ Sources with the same row layout keep their pools in one device storage
 every row a layer's attention reads.
 
 Admission is all-or-nothing across sources: every source is planned first
-(slots, host extent, eq. 4 victims) and only when all can admit is anything
+(request slots, host extent, eq. 4 victims) and only when all can admit is anything
 reclaimed or allocated.  Nothing here reclaims or repopulates under a reader:
 ``resolve`` only reads the published tables and updates the hot cache.
 """
@@ -88,20 +88,20 @@ class KVHierarchy:
             rows, base, arenas = (placed[s.name].rows, placed[s.name].base_row,
                                   placed[s.name].arenas)
             state = SourceState(name=s.name, row_bytes=s.row_bytes, page_size=s.page_size,
-                                max_slots=s.max_slots, max_rows=s.max_rows,
-                                hot_rows_per_slot=s.hot_rows, device=device)
+                                max_req_slots=s.max_req_slots, max_rows=s.max_rows,
+                                hot_cache_rows=s.hot_cache_rows, device=device)
             pool = DevicePagePool(name=s.name, num_pages=s.device_pages, page_size=s.page_size,
-                                  row_bytes=s.row_bytes, segments=s.segments, rows=rows,
+                                  row_bytes=s.row_bytes, plane_bytes=s.plane_bytes, rows=rows,
                                   base_row=base)
             host = HostStore(name=s.name, row_bytes=s.row_bytes, capacity_rows=s.host_rows,
                              copies=self.copies)
-            resolver = Resolver(state, pool.segments, host.rows, backend=backend,
+            resolver = Resolver(state, pool.planes, host.rows, backend=backend,
                                 row_range=pool.row_range)
             residency = ResidencyManager(
                 state, pool, host, tail_pages=s.tail_pages,
                 reserve_pages=cfg.admission_reserve_pages, policy=cfg.reclaim_policy,
                 optional_residency=cfg.optional_residency, eager_backup=cfg.eager_backup,
-                last_active=self._last_active)
+                last_active=self._last_active, run_pages=cfg.run_pages)
             self.sources[s.name] = SourceParts(s, state, pool, host, resolver, residency, arenas)
         self.requests: dict[str, dict[str, int]] = {}  # req -> source -> max_rows
         self.step_index = 0

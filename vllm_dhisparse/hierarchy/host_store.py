@@ -58,7 +58,6 @@ class HostStore:
         self._extent: dict[str, tuple[int, int]] = {}  # req -> (base, length)
         self._backed: dict[str, torch.Tensor] = {}  # req -> [length] bool
         self._free: list[tuple[int, int]] = [(0, capacity_rows)]  # sorted (base, length)
-        self.fail_next_backup_of: set[str] = set()  # fault injection for tests
 
     # -- extents -------------------------------------------------------------
     def allocate(self, req_id: str, max_rows: int) -> int | None:
@@ -119,10 +118,17 @@ class HostStore:
                              f"[{first}, {first + count}) outside [0, {length})")
         return self.rows[base + first:base + first + count]
 
+    def backup_slices(self, req_id: str, firsts: list[int], count: int) -> list[torch.Tensor]:
+        """Where backups of ``count`` rows of ``req_id`` from each of ``firsts`` write:
+        contiguous views of its extent, as ``slice`` gives them.  Every backup takes its
+        destinations here, one request at a time, before anything is copied: a request
+        whose backup cannot start (``HostBackupError``) fails alone."""
+        return [self.slice(req_id, first, count) for first in firsts]
+
     def prepare_backup(self, req_id: str, first: int, data: torch.Tensor | Planes) -> PendingBackup:
         """Starts copying ``data`` into rows ``[first, first + n)`` of ``req_id``:
         ``uint8 [n, row_bytes]`` on any device, or device planes ``[(first byte,
-        uint8 [n, seg_bytes])]`` covering the row (``DevicePagePool.plane_rows``)."""
+        uint8 [n, plane bytes])]`` covering the row (``DevicePagePool.plane_rows``)."""
         planes = [(0, data)] if isinstance(data, torch.Tensor) else list(data)
         n = planes[0][1].shape[0]
         if any(p.dtype != torch.uint8 or p.dim() != 2 or p.shape[0] != n for _, p in planes) \
@@ -130,32 +136,24 @@ class HostStore:
             raise ValueError(f"host store {self.name!r}: backup data must be uint8 "
                              f"[n, {self.row_bytes}] (or planes summing to it), got "
                              f"{[(p.dtype, tuple(p.shape)) for _, p in planes]}")
-        dst = self.slice(req_id, first, n)
-        self.check_injected_fault(req_id)
+        dst, = self.backup_slices(req_id, [first], n)
         return PendingBackup(req_id, first, n, self.copies.to_host(dst, planes))
 
-    def prepare_backups(self, items: list[tuple[str, int]], count: int,
+    def prepare_backups(self, items: list[tuple[str, int, torch.Tensor]],
                         data: Planes) -> list[PendingBackup]:
-        """``prepare_backup`` of ``count`` rows for each ``(request, first row)`` of
-        ``items``: item i's rows are rows ``[i * count, (i + 1) * count)`` of the device
-        planes ``data``.  One pass over the copy stream, one event shared by the returned
-        backups.  The caller checked ``check_injected_fault`` per request."""
-        n = len(items) * count
+        """``prepare_backup`` for each ``(request, first row, destination)`` of ``items``,
+        the destinations from ``backup_slices``: item i's rows are the next
+        ``len(destination)`` rows of the device planes ``data``.  One pass over the copy
+        stream, one event shared by the returned backups."""
+        n = sum(dst.shape[0] for _, _, dst in items)
         if any(p.dtype != torch.uint8 or p.dim() != 2 or p.shape[0] != n for _, p in data) \
                 or sum(p.shape[1] for _, p in data) != self.row_bytes:
             raise ValueError(f"host store {self.name!r}: backup data must be planes of "
                              f"{n} uint8 rows summing to {self.row_bytes} bytes, got "
                              f"{[(p.dtype, tuple(p.shape)) for _, p in data]}")
-        dsts = [self.slice(req_id, first, count) for req_id, first in items]
-        transfer = self.copies.to_host_rows(dsts, data)
-        return [PendingBackup(req_id, first, count, transfer) for req_id, first in items]
-
-    def check_injected_fault(self, req_id: str) -> None:
-        """Raises the injected failure of ``req_id``'s next backup (tests), once."""
-        if req_id in self.fail_next_backup_of:
-            self.fail_next_backup_of.discard(req_id)
-            raise HostBackupError(f"host store {self.name!r}: backup of request {req_id!r} failed "
-                                  f"(injected fault)", req_id=req_id)
+        transfer = self.copies.to_host_rows([dst for _, _, dst in items], data)
+        return [PendingBackup(req_id, first, dst.shape[0], transfer)
+                for req_id, first, dst in items]
 
     def backup_done(self, pending: PendingBackup) -> bool:
         """Whether the copy completed (polls; never waits)."""

@@ -32,10 +32,10 @@ def place(specs: list[SourceSpec], staging: StagingSpec | None, device: torch.de
     for layout, members in layout_groups(specs).items():
         pool_rows, arena_rows = sizes[layout]
         rows = DeviceRows(name="+".join(m.name for m in members),
-                          num_rows=pool_rows + arena_rows, segments=layout, device=device)
+                          num_rows=pool_rows + arena_rows, plane_bytes=layout, device=device)
         storages.append(rows)
         arenas = StagingArenas(rows=rows, base_row=pool_rows, arenas=staging.arenas,
-                               slots=max(m.max_slots for m in members),
+                               batch_rows=max(m.max_req_slots for m in members),
                                columns=staging.columns) if staging else None
         all_arenas += [arenas] if arenas else []
         base = 0

@@ -92,21 +92,18 @@ class AdmissionPlan:
 
 
 class ResidencyManager:
-    # pages per copy of many pages (reclaim backups, placing imported history): bounds
-    # the rows a copy gathers or stages (37 MiB at 64-row pages of 584 B; a reclaim
-    # keeps two copies in flight)
-    RUN_PAGES = 1024
-
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore, *,
                  tail_pages: int, reserve_pages: int = 0,
                  policy: str = "largest_first", optional_residency: bool = True,
-                 eager_backup: bool = False, last_active: dict[str, int] | None = None):
+                 eager_backup: bool = False, last_active: dict[str, int] | None = None,
+                 run_pages: int):
         """``last_active``: request -> last step it produced rows (the reclaim order reads
-        it); a hierarchy shares one among its sources."""
+        it); a hierarchy shares one among its sources.  ``run_pages``: the most pages one
+        copy of many pages moves, here and in the tail (``ResidencyConfig.run_pages``)."""
         ps = pool.page_size
         self.source, self.pool, self.host = source, pool, host
         self.page_size = ps
-        self.hot_pages = -(-source.budget // ps)
+        self.hot_pages = -(-source.hot_cache_rows // ps)
         self.tail_pages = tail_pages
         self.required_per_request = self.hot_pages + tail_pages
         self.reserve = reserve_pages
@@ -122,7 +119,8 @@ class ResidencyManager:
         self.requests: dict[str, RequestPages] = {}
         self.last_active = {} if last_active is None else last_active
         self.counters = ResidencyCounters()
-        self.tail = TailWriter(source, pool, host, self.counters, self.requests)
+        self.run_pages = run_pages
+        self.tail = TailWriter(source, pool, host, self.counters, self.requests, run_pages)
         self._admissions = 0
         self._cursor = 0  # round-robin position of repopulation, persists across steps
         # step() visits these, not every request: requests with copies in flight, and
@@ -148,7 +146,7 @@ class ResidencyManager:
     # -- admission ------------------------------------------------------------------
     def plan_admission(self, max_rows: int) -> AdmissionPlan | None:
         """What admitting a request would reclaim (eq. 4), or None = wait.  Changes nothing."""
-        if len(self.source.open_requests) >= self.source.max_slots:
+        if len(self.source.open_requests) >= self.source.max_req_slots:
             return None
         if not self.host.can_allocate(max_rows):
             return None
@@ -166,7 +164,7 @@ class ResidencyManager:
         unbacked = self._unbacked(rec)
         issued = []
         try:
-            for run in _runs(unbacked, self.RUN_PAGES):
+            for run in _runs(unbacked, self.run_pages):
                 src = self.pool.page_planes([rec.optional[p] for p in run])
                 issued.append(self.host.prepare_backup(req_id, run[0] * self.page_size, src))
                 if len(issued) > 1:  # two runs in flight at most: bounds the gathered rows
@@ -180,7 +178,7 @@ class ResidencyManager:
         self.counters.host_pages_written += len(unbacked)
         self._settled.discard(req_id)  # its dropped pages are eligible again
         # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
-        self.source.unpublish_pages(self.source.slot(req_id), list(rec.optional))
+        self.source.unpublish_pages(self.source.req_slot(req_id), list(rec.optional))
         self._wait_populations(rec)  # pending pages are host-backed already; just drop them
         pages = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
         rec.optional.clear()
@@ -204,7 +202,7 @@ class ResidencyManager:
         return pages[~self._complete_pages(rec)[pages]].tolist()
 
     def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None) -> RequestPages:
-        """Reserves required pages, opens the slot and places imported history.
+        """Reserves required pages, opens the request slot and places imported history.
 
         Call after ``plan_admission`` returned a plan and its victims were reclaimed.
         """
@@ -216,7 +214,8 @@ class ResidencyManager:
         hot = pages[:self.hot_pages]
         tail = pages[self.hot_pages:]
         n = 0 if imported is None else imported.shape[0]
-        self.source.open_slot(req_id, self.pool.page_rows(hot)[:self.source.budget], host_base)
+        hot_loc = self.pool.page_rows(hot)[:self.source.hot_cache_rows]
+        self.source.open_req_slot(req_id, hot_loc, host_base)
         rec = RequestPages(req_id, self._admissions, max_rows, n // self.page_size,
                            hot, tail[::-1])
         self._admissions += 1
@@ -235,14 +234,14 @@ class ResidencyManager:
         # Keep the pages nearest the tail: recent history is the likeliest to be selected.
         first_kept = full - keep
         dev_pages = self.pool.allocate(keep)
-        if keep:  # a write per RUN_PAGES kept pages, one publish
-            for a in range(0, keep, self.RUN_PAGES):
-                chunk = dev_pages[a:a + self.RUN_PAGES]
+        if keep:  # a write per run of kept pages, one publish
+            for a in range(0, keep, self.run_pages):
+                chunk = dev_pages[a:a + self.run_pages]
                 first = (first_kept + a) * ps
                 self.pool.write(self.pool.page_rows(chunk), imported[first:first + len(chunk) * ps])
             kept = list(range(first_kept, full))
             rec.optional.update(zip(kept, dev_pages))
-            self.source.publish_pages([self.source.slot(rec.req_id)] * keep, kept,
+            self.source.publish_pages([self.source.req_slot(rec.req_id)] * keep, kept,
                                       [self.pool.first_row(d) for d in dev_pages])
         if self.eager_backup:
             self._write_host(rec, imported, first_kept * ps, full * ps)
@@ -274,15 +273,15 @@ class ResidencyManager:
 
     def repopulate(self, max_pages: int) -> int:
         """Issues up to ``max_pages`` page copies, one page per request per turn, round-robin
-        from a cursor that persists across calls (a small budget still reaches every
+        from a cursor that persists across calls (a small bound still reaches every
         request).  Pages stay pending, unpublished, until ``complete_populations``."""
         if not self.optional_residency or not self.requests:
             return 0
         order = list(self.requests)
-        budget = min(max_pages, self.pool.num_free - self.reserve)
+        limit = min(max_pages, self.pool.num_free - self.reserve)
         issued = idle = 0
         eligible: dict[str, list[int]] = {}  # listed once per call, on a request's first turn
-        while issued < budget and idle < len(order):
+        while issued < limit and idle < len(order):
             i = self._cursor % len(order)
             self._cursor = i + 1
             rec = self.requests[order[i]]
@@ -313,24 +312,24 @@ class ResidencyManager:
     def complete_populations(self) -> int:
         """Publishes pending pages whose copy has finished (polled: a copy still in flight
         stays pending, its rows served by hot cache / host meanwhile)."""
-        slots, pages, rows = [], [], []
+        req_slots, pages, rows = [], [], []
         for rec in list(self._populating.values()):
-            slot = self.source.slot(rec.req_id)
+            req_slot = self.source.req_slot(rec.req_id)
             for page in sorted(page for page, p in rec.pending.items() if p.transfer.done()):
                 p = rec.pending.pop(page)
                 rec.optional[page] = p.device_page
-                slots.append(slot)
+                req_slots.append(req_slot)
                 pages.append(page)
                 rows.append(self.pool.first_row(p.device_page))
             if not rec.pending:
                 del self._populating[rec.req_id]
-        self.source.publish_pages(slots, pages, rows)  # one write for every page
+        self.source.publish_pages(req_slots, pages, rows)  # one write for every page
         self.counters.pages_repopulated += len(pages)
         return len(pages)
 
     # -- release ----------------------------------------------------------------------
     def release(self, req_id: str) -> None:
-        """Completion / preemption: device pages, slot and host extent all go back."""
+        """Completion / preemption: device pages, request slot and host extent all go back."""
         rec = self.request(req_id)
         for _, pending in rec.backups:  # copies still reading tail pages must finish first
             pending.transfer.wait()
@@ -340,7 +339,7 @@ class ResidencyManager:
         self._settled.discard(req_id)
         self.tail.forget(req_id)
         self.pool.free(rec.owned_pages())
-        self.source.close_slot(req_id)
+        self.source.close_req_slot(req_id)
         self.host.free(req_id)
 
 

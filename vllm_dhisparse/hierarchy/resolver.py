@@ -59,8 +59,8 @@ class ResolverTotals:
 class Resolver:
     def __init__(self, source: SourceState, device_rows, host_rows: torch.Tensor,
                  backend: str = "auto", row_range: tuple[int, int] | None = None):
-        """``device_rows``: the pool's row tensor ``uint8 [R, row_bytes]``, or its segment
-        planes ``[(first byte, uint8 [R, seg_bytes]), ...]`` (see ``DevicePagePool``).
+        """``device_rows``: the pool's row tensor ``uint8 [R, row_bytes]``, or its planes
+        ``[(first byte, uint8 [R, plane bytes]), ...]`` (see ``DevicePagePool``).
         ``row_range``: the rows ``[first, end)`` of them that are this source's (a pool
         in a shared storage); page table entries outside it are repaired, never read."""
         if isinstance(device_rows, torch.Tensor):
@@ -68,7 +68,7 @@ class Resolver:
         widths = [plane.shape[1] if plane.dim() == 2 else -1 for _, plane in device_rows]
         if any(p.dtype != torch.uint8 or p.dim() != 2 for _, p in device_rows) \
                 or sum(widths) != source.row_bytes:
-            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}] (or segment planes "
+            raise ValueError(f"device_rows must be uint8 [rows, {source.row_bytes}] (or planes "
                              f"summing to it), got widths {widths}")
         if host_rows.dtype != torch.uint8 or host_rows.dim() != 2 \
                 or host_rows.shape[1] != source.row_bytes:
@@ -97,7 +97,7 @@ class Resolver:
 
     def staging_columns(self, n_queries: int, top_k: int) -> int:
         """Staging rows a request needs so any union fits: K*k - B (paper 3.3)."""
-        return max(0, n_queries * top_k - self.source.budget)
+        return max(0, n_queries * top_k - self.source.hot_cache_rows)
 
     def validate(self, req_ids: list[str], selections: torch.Tensor) -> torch.Tensor:
         src = self.source
@@ -113,17 +113,17 @@ class Resolver:
             raise ValueError(f"selections has {n} rows but {len(req_ids)} request ids were given")
         if len(set(req_ids)) != len(req_ids):
             raise ValueError(f"request ids must be distinct within one call, got {req_ids}")
-        if top_k > src.budget:
-            raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.budget} of source "
+        if top_k > src.hot_cache_rows:
+            raise ValueError(f"top-k {top_k} exceeds hot cache size B={src.hot_cache_rows} of source "
                              f"{src.name!r}; B must be >= k")
-        slot_ids = src.slots(req_ids)  # KeyError names an unknown id
+        req_slots = src.req_slot_tensor(req_ids)  # KeyError names an unknown id
         if selections.numel():
             # One host sync per call stays: a bad row must raise before the kernels index
             # with it, and the vLLM hook cannot check once per step, since every sparse
             # layer's indexer writes its own top-k (and this step's rows are masked per
             # source).  One pass (per-request min / max), one read; the error path alone
             # looks for the first bad element.
-            lens = src.seq_lens[slot_ids.long()]  # [N]
+            lens = src.seq_lens[req_slots.long()]  # [N]
             lo, hi = torch.aminmax(selections.reshape(n, -1), dim=1)  # [N]
             if ((lo < -1) | (hi >= lens)).any().item():
                 lens = lens.view(n, 1, 1)
@@ -133,7 +133,7 @@ class Resolver:
                     f"selection {int(selections[b, q, i])} at [{b}, {q}, {i}] (request "
                     f"{req_ids[b]!r}) is outside [0, {int(lens[b, 0, 0])}) rows of source "
                     f"{src.name!r}; -1 is the only allowed padding")
-        return slot_ids
+        return req_slots
 
     def resolve(self, req_ids: list[str], selections: torch.Tensor,
                 staging_rows: torch.Tensor | None = None, validate: bool = True):
@@ -146,18 +146,19 @@ class Resolver:
         """
         src = self.source
         if validate:
-            slot_ids = self.validate(req_ids, selections)
+            req_slots = self.validate(req_ids, selections)
         else:
-            slot_ids = src.slots(req_ids)
+            req_slots = src.req_slot_tensor(req_ids)
         n, n_queries, top_k = selections.shape
         need = self.staging_columns(n_queries, top_k)
         if staging_rows is None:
             if need:
-                raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = {src.budget}: "
-                                 f"pass staging_rows [N, >= {need}] int32 (device rows for overflow; "
-                                 f"KVHierarchy.resolve takes them from a held staging arena)")
+                raise ValueError(f"K*k = {n_queries * top_k} exceeds hot cache B = "
+                                 f"{src.hot_cache_rows}: pass staging_rows [N, >= {need}] int32 "
+                                 f"(device rows for overflow; KVHierarchy.resolve takes them "
+                                 f"from a held staging arena)")
             staging_rows = torch.empty((n, 0), dtype=torch.int32, device=src.device)
-        args = (selections, slot_ids, src.page_table, src.page_size, src.hot_pos, src.hot_rows,
+        args = (selections, req_slots, src.page_table, src.page_size, src.hot_pos, src.hot_loc,
                 src.hot_stamp, src.hot_clock, src.hot_slot_of, staging_rows, src.host_base)
         bounds = dict(self._bounds, seq_lens=src.seq_lens)
         if self.backend == "triton":

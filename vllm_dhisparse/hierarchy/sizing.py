@@ -57,15 +57,15 @@ class PayloadSource:
     row_bytes: int
     count: int = 1
     tokens_per_row: int = 1  # m: compression (DeepSeek-V4 c4 rows hold 4 tokens)
-    hot_rows: int = 0  # B of each source; used when offloaded
+    hot_cache_rows: int = 0  # B of each source; used when offloaded
     offloaded: bool = True  # False: always resident (sliding window, dense compressed)
     window_rows: int | None = None  # bounded history (sliding window), None = full
 
     def __post_init__(self):
         if self.row_bytes <= 0 or self.count <= 0 or self.tokens_per_row <= 0:
             raise ValueError(f"payload {self.name!r}: row_bytes, count, tokens_per_row must be > 0")
-        if self.offloaded and self.hot_rows <= 0:
-            raise ValueError(f"payload {self.name!r}: an offloaded source needs hot_rows > 0")
+        if self.offloaded and self.hot_cache_rows <= 0:
+            raise ValueError(f"payload {self.name!r}: an offloaded source needs hot_cache_rows > 0")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class ModelShape:
     tail_rows: int = 64  # rows per offloaded source not yet immutable (one page)
     top_k: int = 2048
     resolver_states: int = 1  # SourceState instances per session (shared LRU per index group)
-    metadata_budget: int = 0  # mean B of those states (hot_pos / hot_rows / hot_stamp columns)
+    metadata_hot_cache_rows: int = 0  # mean B of those states (hot_pos / hot_loc / hot_stamp)
     metadata_tokens_per_row: int = 1  # m of the rows hot_slot_of / page_table cover
     draft: DraftShape | None = None
     live_sources: int = 1  # chi: payload sources whose staging is live at once
@@ -124,7 +124,7 @@ class ModelShape:
                    for s in self.payload if s.offloaded)
 
     def hot_bytes(self) -> int:
-        return sum(s.count * s.hot_rows * s.row_bytes for s in self.payload if s.offloaded)
+        return sum(s.count * s.hot_cache_rows * s.row_bytes for s in self.payload if s.offloaded)
 
     def tail_bytes(self) -> int:
         return sum(s.count * self.tail_rows * s.row_bytes for s in self.payload if s.offloaded)
@@ -135,11 +135,11 @@ class ModelShape:
 
     def metadata_bytes(self, tokens: int) -> int:
         """Our SourceState tables for one session: page_table [max_pages] i32,
-        hot_pos / hot_rows / hot_stamp [B] i32, hot_slot_of [max_rows] i32,
+        hot_pos / hot_loc / hot_stamp [B] i32, hot_slot_of [max_rows] i32,
         seq_len and hot_clock i32, host_base i64 — per resolver state."""
         rows = self.history_rows(tokens, self.metadata_tokens_per_row)
         pages = rows // self.page_size
-        per_state = (pages + 3 * self.metadata_budget + rows + 2) * INT32 + INT64
+        per_state = (pages + 3 * self.metadata_hot_cache_rows + rows + 2) * INT32 + INT64
         return self.resolver_states * per_state
 
     def draft_ring_rows(self) -> int:

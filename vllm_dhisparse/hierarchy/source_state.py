@@ -2,22 +2,23 @@
 
 A *source* is one physical KV payload (e.g. DeepSeek-V4's compressed c4a
 cache, or one GLM layer) with fixed ``row_bytes``.  Every admitted request
-gets a *slot* (row of the tables below) for each source it uses.
+gets a *request slot* (row ``s`` of the tables below) for each source it uses; a
+*hot slot* is one of the B entries of a request slot's hot cache.
 
-Tables, all on the pool's device:
+Tables, all on the pool's device, one row per request slot:
 
 * ``page_table [S, max_pages] int32`` — the *direct map*: device row of the
   first row of each history page that is ready on device (tail pages and ready
   optional-history pages), -1 otherwise.  Only *ready* pages are published
   here; an allocated page whose copy is still pending stays -1 (paper 3.1:
   ready vs allocated).
-* ``hot_pos / hot_rows / hot_stamp [S, B] int32``, ``hot_clock [S] int32`` and
+* ``hot_pos / hot_loc / hot_stamp [S, B] int32``, ``hot_clock [S] int32`` and
   ``hot_slot_of [S, max_rows] int32`` — the B-row hot cache, least recently used
-  slots evicted first by call stamps (see ``vllm_dhisparse/triton_kernels/reference.py``
+  hot slots evicted first by call stamps (see ``vllm_dhisparse/triton_kernels/reference.py``
   for the update rule).
-* ``seq_lens [S] int32`` — rows of history per slot (selections must be below);
+* ``seq_lens [S] int32`` — rows of history per request slot (selections must be below);
   mirrored on the host, so reading a length never waits for the device.
-* ``host_base [S] int64`` — host row of the slot's row 0 in the host store.
+* ``host_base [S] int64`` — host row of the request's row 0 in the host store.
 
 This class only owns the tables and their reset on open/close; which pages
 are ready is decided by the residency manager, which publishes and
@@ -32,137 +33,141 @@ from .devices import canonical_device, host_index
 
 
 class SourceState:
-    def __init__(self, *, name: str, row_bytes: int, page_size: int, max_slots: int,
-                 max_rows: int, hot_rows_per_slot: int, device: torch.device | str = "cpu"):
-        if row_bytes <= 0 or page_size <= 0 or max_slots <= 0 or max_rows <= 0:
+    def __init__(self, *, name: str, row_bytes: int, page_size: int, max_req_slots: int,
+                 max_rows: int, hot_cache_rows: int, device: torch.device | str = "cpu"):
+        if row_bytes <= 0 or page_size <= 0 or max_req_slots <= 0 or max_rows <= 0:
             raise ValueError(
                 f"source {name!r}: row_bytes={row_bytes}, page_size={page_size}, "
-                f"max_slots={max_slots}, max_rows={max_rows} must all be > 0")
-        if hot_rows_per_slot <= 0:
-            raise ValueError(f"source {name!r}: hot_rows_per_slot={hot_rows_per_slot} must be > 0")
+                f"max_req_slots={max_req_slots}, max_rows={max_rows} must all be > 0")
+        if hot_cache_rows <= 0:
+            raise ValueError(f"source {name!r}: hot_cache_rows={hot_cache_rows} must be > 0")
         self.name = name
         self.row_bytes = row_bytes
         self.page_size = page_size
-        self.max_slots = max_slots
+        self.max_req_slots = max_req_slots
         self.max_rows = max_rows
-        self.budget = hot_rows_per_slot
+        self.hot_cache_rows = hot_cache_rows
         self.max_pages = -(-max_rows // page_size)
         self.device = canonical_device(device)
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.page_table = torch.full((max_slots, self.max_pages), -1, **i32)
-        self.hot_pos = torch.full((max_slots, self.budget), -1, **i32)
-        self.hot_rows = torch.full((max_slots, self.budget), -1, **i32)
-        self.hot_stamp = torch.zeros((max_slots, self.budget), **i32)
-        self.hot_clock = torch.zeros(max_slots, **i32)
-        self.hot_slot_of = torch.full((max_slots, max_rows), -1, **i32)
-        self.seq_lens = torch.zeros(max_slots, **i32)
-        self._seq_len_host = np.zeros(max_slots, dtype=np.int64)
-        self.host_base = torch.zeros(max_slots, dtype=torch.int64, device=self.device)
-        self._free_slots = list(range(max_slots - 1, -1, -1))
-        self._slot_of: dict[str, int] = {}
-        self._batch: tuple[tuple[str, ...], torch.Tensor] | None = None  # slots() of the last batch
+        self.page_table = torch.full((max_req_slots, self.max_pages), -1, **i32)
+        self.hot_pos = torch.full((max_req_slots, self.hot_cache_rows), -1, **i32)
+        self.hot_loc = torch.full((max_req_slots, self.hot_cache_rows), -1, **i32)
+        self.hot_stamp = torch.zeros((max_req_slots, self.hot_cache_rows), **i32)
+        self.hot_clock = torch.zeros(max_req_slots, **i32)
+        self.hot_slot_of = torch.full((max_req_slots, max_rows), -1, **i32)
+        self.seq_lens = torch.zeros(max_req_slots, **i32)
+        self._seq_len_host = np.zeros(max_req_slots, dtype=np.int64)
+        self.host_base = torch.zeros(max_req_slots, dtype=torch.int64, device=self.device)
+        self._free_req_slots = list(range(max_req_slots - 1, -1, -1))
+        self._req_slot_of: dict[str, int] = {}
+        # req_slot_tensor() of the last batch
+        self._batch: tuple[tuple[str, ...], torch.Tensor] | None = None
 
-    # -- slot lifecycle ---------------------------------------------------
-    def open_slot(self, req_id: str, hot_device_rows: torch.Tensor, host_base: int) -> int:
-        """Binds ``req_id`` to a fresh slot whose hot cache lives at ``hot_device_rows``."""
-        if req_id in self._slot_of:
-            raise ValueError(f"source {self.name!r}: request {req_id!r} already has a slot")
-        if not self._free_slots:
-            raise RuntimeError(f"source {self.name!r}: all {self.max_slots} slots in use")
-        if hot_device_rows.numel() != self.budget:
-            raise ValueError(f"source {self.name!r}: hot cache needs {self.budget} rows, "
-                             f"got {hot_device_rows.numel()}")
-        slot = self._free_slots.pop()
-        self._slot_of[req_id] = slot
+    # -- request slot lifecycle -------------------------------------------
+    def open_req_slot(self, req_id: str, hot_loc: torch.Tensor, host_base: int) -> int:
+        """Binds ``req_id`` to a free request slot whose hot cache lives at ``hot_loc``."""
+        if req_id in self._req_slot_of:
+            raise ValueError(f"source {self.name!r}: request {req_id!r} already has a request "
+                             f"slot")
+        if not self._free_req_slots:
+            raise RuntimeError(f"source {self.name!r}: all {self.max_req_slots} request slots "
+                               f"in use")
+        if hot_loc.numel() != self.hot_cache_rows:
+            raise ValueError(f"source {self.name!r}: hot cache needs {self.hot_cache_rows} rows, "
+                             f"got {hot_loc.numel()}")
+        req_slot = self._free_req_slots.pop()
+        self._req_slot_of[req_id] = req_slot
         self._batch = None
-        self._reset(slot)
-        self.hot_rows[slot] = hot_device_rows.to(self.hot_rows)
-        self.host_base[slot] = host_base
-        return slot
+        self._reset(req_slot)
+        self.hot_loc[req_slot] = hot_loc.to(self.hot_loc)
+        self.host_base[req_slot] = host_base
+        return req_slot
 
-    def close_slot(self, req_id: str) -> None:
-        slot = self._slot_of.pop(self.require(req_id))
+    def close_req_slot(self, req_id: str) -> None:
+        req_slot = self._req_slot_of.pop(self.require(req_id))
         self._batch = None
-        self._reset(slot)
-        self._free_slots.append(slot)
+        self._reset(req_slot)
+        self._free_req_slots.append(req_slot)
 
-    def _reset(self, slot: int) -> None:
-        self.page_table[slot] = -1
-        self.hot_pos[slot] = -1
-        self.hot_rows[slot] = -1
-        self.hot_stamp[slot] = 0
-        self.hot_clock[slot] = 0
-        self.hot_slot_of[slot] = -1
-        self.seq_lens[slot] = 0
-        self._seq_len_host[slot] = 0
-        self.host_base[slot] = 0
+    def _reset(self, req_slot: int) -> None:
+        self.page_table[req_slot] = -1
+        self.hot_pos[req_slot] = -1
+        self.hot_loc[req_slot] = -1
+        self.hot_stamp[req_slot] = 0
+        self.hot_clock[req_slot] = 0
+        self.hot_slot_of[req_slot] = -1
+        self.seq_lens[req_slot] = 0
+        self._seq_len_host[req_slot] = 0
+        self.host_base[req_slot] = 0
 
     def require(self, req_id: str) -> str:
-        if req_id not in self._slot_of:
+        if req_id not in self._req_slot_of:
             raise KeyError(f"source {self.name!r}: unknown request id {req_id!r}; "
-                           f"{len(self._slot_of)} requests are open")
+                           f"{len(self._req_slot_of)} requests are open")
         return req_id
 
-    def slot(self, req_id: str) -> int:
-        return self._slot_of[self.require(req_id)]
+    def req_slot(self, req_id: str) -> int:
+        return self._req_slot_of[self.require(req_id)]
 
-    def slot_array(self, req_ids) -> np.ndarray:
-        """Slots of ``req_ids`` on the host (the caller checked the ids).  # [N] int64"""
-        slot_of = self._slot_of
-        return np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    def req_slot_array(self, req_ids) -> np.ndarray:
+        """Request slots of ``req_ids`` on the host (the caller checked the ids).  # [N] int64"""
+        req_slot_of = self._req_slot_of
+        return np.fromiter((req_slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
-    def slots(self, req_ids) -> torch.Tensor:
-        """Slots of ``req_ids`` on the device.  # [N] int32
+    def req_slot_tensor(self, req_ids) -> torch.Tensor:
+        """Request slots of ``req_ids`` on the device.  # [N] int32
         Every layer of a step resolves the same batch: the tensor of the last batch is kept
-        (read-only for callers) until a slot opens or closes."""
+        (read-only for callers) until a request slot opens or closes."""
         key = tuple(req_ids)
         if self._batch is None or self._batch[0] != key:
-            slots = torch.tensor([self.slot(r) for r in key], dtype=torch.int32)
-            self._batch = (key, slots.to(self.device, non_blocking=True))
+            req_slots = torch.tensor([self.req_slot(r) for r in key], dtype=torch.int32)
+            self._batch = (key, req_slots.to(self.device, non_blocking=True))
         return self._batch[1]
 
     @property
     def open_requests(self) -> list[str]:
-        return list(self._slot_of)
+        return list(self._req_slot_of)
 
     # -- direct map ---------------------------------------------------------
     def publish_page(self, req_id: str, page: int, device_row: int) -> None:
         """Makes history page ``page`` resolvable directly.  Call only after its copy completed."""
-        self.page_table[self.slot(req_id), page] = device_row
+        self.page_table[self.req_slot(req_id), page] = device_row
 
-    def publish_pages(self, slots: list[int], pages: list[int], device_rows: list[int]) -> None:
-        """:meth:`publish_page` for many (slot, page) at once: one write."""
-        if slots:
-            self.page_table[host_index(slots, self.device), host_index(pages, self.device)] = \
+    def publish_pages(self, req_slots: list[int], pages: list[int],
+                      device_rows: list[int]) -> None:
+        """:meth:`publish_page` for many (req_slot, page) at once: one write."""
+        if req_slots:
+            self.page_table[host_index(req_slots, self.device), host_index(pages, self.device)] = \
                 host_index(device_rows, self.device).int()
 
-    def unpublish_pages(self, slot: int | list[int], pages: list[int]) -> None:
-        """Makes ``pages`` of one slot (or one slot per page) unresolvable directly: one
-        write."""
+    def unpublish_pages(self, req_slot: int | list[int], pages: list[int]) -> None:
+        """Makes ``pages`` of one request slot (or one request slot per page) unresolvable
+        directly: one write."""
         if pages:
-            rows = slot if isinstance(slot, int) else host_index(slot, self.device)
+            rows = req_slot if isinstance(req_slot, int) else host_index(req_slot, self.device)
             self.page_table[rows, host_index(pages, self.device)] = -1
 
-    def set_seq_lens(self, slots: list[int], rows: list[int]) -> None:
-        """Lengths of many slots at once (callers check them): one write."""
-        if len(slots):
-            self.seq_lens[host_index(slots, self.device)] = host_index(rows, self.device).int()
-            self._seq_len_host[np.asarray(slots, dtype=np.int64)] = rows
+    def set_seq_lens(self, req_slots: list[int], rows: list[int]) -> None:
+        """Lengths of many request slots at once (callers check them): one write."""
+        if len(req_slots):
+            self.seq_lens[host_index(req_slots, self.device)] = host_index(rows, self.device).int()
+            self._seq_len_host[np.asarray(req_slots, dtype=np.int64)] = rows
 
     def set_seq_len(self, req_id: str, rows: int) -> None:
         if not 0 <= rows <= self.max_rows:
             raise ValueError(f"source {self.name!r}: request {req_id!r} length {rows} "
                              f"outside [0, {self.max_rows}]")
-        slot = self.slot(req_id)
-        self.seq_lens[slot] = rows
-        self._seq_len_host[slot] = rows
+        req_slot = self.req_slot(req_id)
+        self.seq_lens[req_slot] = rows
+        self._seq_len_host[req_slot] = rows
 
     def seq_len(self, req_id: str) -> int:
-        return int(self._seq_len_host[self.slot(req_id)])
+        return int(self._seq_len_host[self.req_slot(req_id)])
 
-    def seq_len_at(self, slot: int) -> int:
-        return int(self._seq_len_host[slot])
+    def seq_len_at(self, req_slot: int) -> int:
+        return int(self._seq_len_host[req_slot])
 
-    def seq_lens_of(self, slots: np.ndarray) -> np.ndarray:
-        """Host lengths of ``slots``.  # [N] int64"""
-        return self._seq_len_host[slots]
+    def seq_lens_of(self, req_slots: np.ndarray) -> np.ndarray:
+        """Host lengths of ``req_slots``.  # [N] int64"""
+        return self._seq_len_host[req_slots]

@@ -14,6 +14,11 @@ from typing import Any, Mapping
 
 from .reclaim_policies import DEFAULT_RECLAIM_POLICY, get_reclaim_policy
 
+# A run: the most pages one copy of many pages moves (a reclaim's backup, placing
+# imported history, a step's pass of tail backups).  It bounds the rows such a copy
+# gathers or stages: 37 MiB at 64-row pages of 584 B, and a reclaim keeps two in flight.
+RUN_PAGES = 1024
+
 
 def _from_dict(cls, what: str, d: Mapping[str, Any]):
     valid = [f.name for f in dataclasses.fields(cls)]
@@ -30,15 +35,16 @@ class SourceSpec:
     page_size: int  # rows per device page
     device_pages: int  # M of eq. 3 for this source
     host_rows: int  # host backing capacity (all requests)
-    hot_rows: int  # B: hot-cache rows per request
+    hot_cache_rows: int  # B: hot-cache rows per request
     tail_pages: int  # mutable-tail pages per request
-    max_slots: int  # concurrent requests
+    max_req_slots: int  # request slots: concurrent requests
     max_rows: int  # longest request history
-    segments: tuple[int, ...] | None = None  # row split into planes (DevicePagePool), None = whole
+    plane_bytes: tuple[int, ...] | None = None  # bytes of each plane of a row, None = one plane
 
     def __post_init__(self):
         for key, low in (("row_bytes", 1), ("page_size", 1), ("device_pages", 1), ("host_rows", 1),
-                         ("hot_rows", 1), ("tail_pages", 1), ("max_slots", 1), ("max_rows", 1)):
+                         ("hot_cache_rows", 1), ("tail_pages", 1), ("max_req_slots", 1),
+                         ("max_rows", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"source {self.name!r}: {key}={value!r}; allowed: int >= {low}")
@@ -54,15 +60,15 @@ class SourceSpec:
     @property
     def layout(self) -> tuple[int, ...]:
         """Byte planes of a row; sources with equal layouts share one device storage."""
-        return tuple(self.segments) if self.segments else (self.row_bytes,)
+        return tuple(self.plane_bytes) if self.plane_bytes else (self.row_bytes,)
 
 
 @dataclass(frozen=True)
 class StagingSpec:
-    """chi arenas, each ``columns`` rows per request slot (``max_slots`` of the sources):
+    """chi arenas, each ``columns`` rows per batch row (``max_req_slots`` of the sources):
     ``K_max * k - B`` overflow rows plus the rows a step computes (paper eq. 11)."""
     arenas: int  # chi: payload sources whose attention is live at once (1: one after another)
-    columns: int  # rows per request slot in one arena
+    columns: int  # rows per batch row in one arena
 
     def __post_init__(self):
         for key in ("arenas", "columns"):
@@ -90,7 +96,7 @@ def device_rows_per_group(specs: list[SourceSpec], staging: StagingSpec | None
     out = {}
     for layout, members in layout_groups(specs).items():
         pools = sum(s.device_pages * s.page_size for s in members)
-        arena = staging.arenas * max(s.max_slots for s in members) * staging.columns \
+        arena = staging.arenas * max(s.max_req_slots for s in members) * staging.columns \
             if staging else 0
         out[layout] = (pools, arena)
     return out
@@ -109,12 +115,14 @@ class ResidencyConfig:
     reclaim_policy: str = DEFAULT_RECLAIM_POLICY  # order of eq. 4
     optional_residency: bool = True  # off = imported history goes to host, no repopulation
     eager_backup: bool = False  # back up kept imported pages at admission instead of deferring
+    run_pages: int = RUN_PAGES  # most pages one copy of many pages moves
 
     def __post_init__(self):
-        for key in ("admission_reserve_pages", "repopulate_pages_per_step"):
+        for key, low in (("admission_reserve_pages", 0), ("repopulate_pages_per_step", 0),
+                         ("run_pages", 1)):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{key}={value!r}; allowed: int >= 0")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{key}={value!r}; allowed: int >= {low}")
         get_reclaim_policy(self.reclaim_policy)  # ValueError lists the supported names
 
     @classmethod

@@ -9,10 +9,10 @@ when its attention returned.  With chi payload sources live at once (1 on CPU,
 where layers run one after another) chi arenas serve every layer, instead of
 per-request staging pages in every source's pool.
 
-Layout: arena ``a`` is ``slots x columns`` rows of the shared storage
+Layout: arena ``a`` is ``batch_rows x columns`` rows of the shared storage
 (``DeviceRows``) its sources' pools live in, so a source's attention reads
 arena rows and pool rows from one tensor.  Batch row ``n`` of a resolve call
-owns the ``columns`` rows ``base + (a * slots + n) * columns + [0, columns)``:
+owns the ``columns`` rows ``base + (a * batch_rows + n) * columns + [0, columns)``:
 overflow misses take the first columns (``overflow_rows``), rows computed in
 the step the last ones (``fresh_rows``).  Requests never share a row, so what
 one request stages cannot overwrite another's.
@@ -38,9 +38,9 @@ class ArenaLease:
         self.source = source
         self.index = index
         self.released = False
-        n = arenas.slots
-        self._overflow = np.zeros(n, dtype=np.int64)  # [slots] columns handed out per batch row
-        self._fresh = np.zeros(n, dtype=np.int64)  # [slots] fresh rows handed out per batch row
+        n = arenas.batch_rows
+        self._overflow = np.zeros(n, dtype=np.int64)  # [batch_rows] columns handed out
+        self._fresh = np.zeros(n, dtype=np.int64)  # [batch_rows] fresh rows handed out
 
     @property
     def rows_used(self) -> int:
@@ -50,9 +50,9 @@ class ArenaLease:
         if self.released:
             raise RuntimeError(f"staging arena {self.index} of source {self.source!r} was released: "
                                f"its rows may already hold another layer's rows")
-        bad = [b for b in batch_rows if not 0 <= b < self.arenas.slots]
+        bad = [b for b in batch_rows if not 0 <= b < self.arenas.batch_rows]
         if bad:
-            raise ValueError(f"batch rows {bad} outside the {self.arenas.slots} request slots of "
+            raise ValueError(f"batch rows {bad} outside the {self.arenas.batch_rows} batch rows of "
                              f"staging arena {self.index}")
 
     def overflow_rows(self, batch_rows: list[int], columns: int) -> torch.Tensor:
@@ -68,7 +68,7 @@ class ArenaLease:
                                f"{a.columns} columns")
         self._overflow[batch_rows] = np.maximum(self._overflow[batch_rows], columns)
         a._account()
-        table = a.table[self.index]  # [slots, columns] int32
+        table = a.table[self.index]  # [batch_rows, columns] int32
         if not batch_rows:
             return table[:0, :columns]
         lo, hi = batch_rows[0], batch_rows[-1] + 1
@@ -91,21 +91,23 @@ class ArenaLease:
 
 
 class StagingArenas:
-    """``arenas`` (chi) arenas of ``slots x columns`` rows at ``base_row`` of ``rows``."""
+    """``arenas`` (chi) arenas of ``batch_rows x columns`` rows at ``base_row`` of ``rows``."""
 
-    def __init__(self, *, rows: DeviceRows, base_row: int, arenas: int, slots: int, columns: int):
-        if arenas < 1 or slots < 1 or columns < 1:
-            raise ValueError(f"staging arenas: arenas={arenas}, slots={slots}, columns={columns} "
-                             f"must all be >= 1")
-        if base_row < 0 or base_row + arenas * slots * columns > rows.num_rows:
-            raise ValueError(f"staging arenas: {arenas} x {slots} x {columns} rows at row {base_row} "
-                             f"do not fit shared storage {rows.name!r} ({rows.num_rows} rows)")
+    def __init__(self, *, rows: DeviceRows, base_row: int, arenas: int, batch_rows: int,
+                 columns: int):
+        if arenas < 1 or batch_rows < 1 or columns < 1:
+            raise ValueError(f"staging arenas: arenas={arenas}, batch_rows={batch_rows}, "
+                             f"columns={columns} must all be >= 1")
+        if base_row < 0 or base_row + arenas * batch_rows * columns > rows.num_rows:
+            raise ValueError(f"staging arenas: {arenas} x {batch_rows} x {columns} rows at row "
+                             f"{base_row} do not fit shared storage {rows.name!r} "
+                             f"({rows.num_rows} rows)")
         self.rows = rows
         self.base_row = base_row
-        self.arenas, self.slots, self.columns = arenas, slots, columns
+        self.arenas, self.batch_rows, self.columns = arenas, batch_rows, columns
         self.row_bytes = rows.row_bytes
-        first = torch.arange(arenas * slots * columns, dtype=torch.int32) + base_row
-        self.table = first.view(arenas, slots, columns).to(rows.device)  # [chi, N, C] int32
+        first = torch.arange(arenas * batch_rows * columns, dtype=torch.int32) + base_row
+        self.table = first.view(arenas, batch_rows, columns).to(rows.device)  # [chi, N, C] int32
         self._live: dict[int, ArenaLease] = {}  # arena -> its lease
         self._cursor = 0  # next arena in execution order (arena j mod chi)
         self._used_this_step: set[int] = set()
@@ -117,7 +119,7 @@ class StagingArenas:
 
     @property
     def num_rows(self) -> int:
-        return self.arenas * self.slots * self.columns
+        return self.arenas * self.batch_rows * self.columns
 
     @property
     def nbytes(self) -> int:
@@ -167,7 +169,7 @@ class StagingArenas:
         self._used_this_step = set(self._live)
 
     def stats(self) -> dict:
-        return dict(arenas=self.arenas, slots=self.slots, columns=self.columns,
+        return dict(arenas=self.arenas, batch_rows=self.batch_rows, columns=self.columns,
                     arena_bytes=self.nbytes, arena_takes=self.takes, arena_reuses=self.reuses,
                     staging_bytes=self.last_step_peak_bytes,
                     staging_bytes_step_max=self.max_step_peak_bytes)

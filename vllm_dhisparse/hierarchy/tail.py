@@ -46,22 +46,22 @@ if TYPE_CHECKING:
 
 
 class TailWriter:
-    BATCH_PAGES = 1024  # pages per backup pass of a step (37 MiB gathered at 584 B rows)
-
     def __init__(self, source: SourceState, pool: DevicePagePool, host: HostStore,
-                 counters: "ResidencyCounters", requests: dict[str, "RequestPages"]):
+                 counters: "ResidencyCounters", requests: dict[str, "RequestPages"],
+                 run_pages: int):
         self.source = source
         self.pool = pool
         self.host = host
         self.counters = counters
         self.page_size = pool.page_size
+        self.run_pages = run_pages  # pages per backup pass of a step
         self._requests = requests  # the residency manager's, by request id
-        # per slot, on the host: max_rows, and the tail page holding the last row (history
-        # page, first device row; -1 = none), which append_batch writes into without
-        # planning while a request stays inside it
-        self._max_rows = np.zeros(source.max_slots, dtype=np.int64)
-        self._cur_page = np.full(source.max_slots, -1, dtype=np.int64)
-        self._cur_row = np.zeros(source.max_slots, dtype=np.int64)
+        # per request slot, on the host: max_rows, and the tail page holding the last row
+        # (history page, first device row; -1 = none), which append_batch writes into
+        # without planning while a request stays inside it
+        self._max_rows = np.zeros(source.max_req_slots, dtype=np.int64)
+        self._cur_page = np.full(source.max_req_slots, -1, dtype=np.int64)
+        self._cur_row = np.zeros(source.max_req_slots, dtype=np.int64)
         # requests with complete tail pages not yet backed up, or copies in flight
         self.backing: dict[str, "RequestPages"] = {}
 
@@ -91,19 +91,19 @@ class TailWriter:
             i += take
             src.set_seq_len(rec.req_id, pos)
         if n:
-            self._set_current(src.slot(rec.req_id), rec)
+            self._set_current(src.req_slot(rec.req_id), rec)
 
     def open(self, rec: "RequestPages") -> None:
-        """The request has just got its slot."""
-        slot = self.source.slot(rec.req_id)
-        self._max_rows[slot] = rec.max_rows
-        self._cur_page[slot] = -1
+        """The request has just got its request slot."""
+        req_slot = self.source.req_slot(rec.req_id)
+        self._max_rows[req_slot] = rec.max_rows
+        self._cur_page[req_slot] = -1
 
-    def _set_current(self, slot: int, rec: "RequestPages") -> None:
-        last = (self.source.seq_len_at(slot) - 1) // self.page_size
+    def _set_current(self, req_slot: int, rec: "RequestPages") -> None:
+        last = (self.source.seq_len_at(req_slot) - 1) // self.page_size
         dev = rec.tail.get(last)
-        self._cur_page[slot] = -1 if dev is None else last
-        self._cur_row[slot] = 0 if dev is None else self.pool.first_row(dev)
+        self._cur_page[req_slot] = -1 if dev is None else last
+        self._cur_row[req_slot] = 0 if dev is None else self.pool.first_row(dev)
 
     def _note_complete(self, rec: "RequestPages", old_len: int, new_len: int) -> None:
         if new_len // self.page_size > old_len // self.page_size:  # a page completed
@@ -129,26 +129,26 @@ class TailWriter:
         pages wait for their backup takes ``append``'s synchronous path after the batch;
         what that path raises is returned per request (the others are appended)."""
         src, ps = self.source, self.page_size
-        slots = src.slot_array(req_ids)  # [N] int64
+        req_slots = src.req_slot_array(req_ids)  # [N] int64
         cnt = np.asarray(counts, dtype=np.int64).reshape(-1)  # [N]
-        lens = src.seq_lens_of(slots)  # [N]
+        lens = src.seq_lens_of(req_slots)  # [N]
         end = lens + cnt
-        over = np.flatnonzero(end > self._max_rows[slots])
+        over = np.flatnonzero(end > self._max_rows[req_slots])
         if over.size:  # all checked before anything changes
             i = int(over[0])
             raise ValueError(f"source {src.name!r}: request {req_ids[i]!r} has {int(lens[i])} "
                              f"rows; appending {int(cnt[i])} exceeds its max_rows "
-                             f"{int(self._max_rows[slots[i]])}")
+                             f"{int(self._max_rows[req_slots[i]])}")
         first = np.cumsum(cnt) - cnt  # [N] the request's first row in ``rows``
         page = lens // ps
         # inside the page the request is writing: one device row per row, no binding
-        fast = (cnt > 0) & ((end - 1) // ps == page) & (self._cur_page[slots] == page)
+        fast = (cnt > 0) & ((end - 1) // ps == page) & (self._cur_page[req_slots] == page)
         dst = np.full(rows.shape[0], -1, dtype=np.int64)  # [T] device row, -1 = not here
         if fast.any():
             f_cnt = cnt[fast]
             within = np.arange(int(f_cnt.sum())) - np.repeat(np.cumsum(f_cnt) - f_cnt, f_cnt)
             dst[np.repeat(first[fast], f_cnt) + within] = \
-                np.repeat(self._cur_row[slots[fast]] + lens[fast] % ps, f_cnt) + within
+                np.repeat(self._cur_row[req_slots[fast]] + lens[fast] % ps, f_cnt) + within
         kept = cnt > 0
         slow, bind = [], []
         pub = ([], [], [])
@@ -168,8 +168,8 @@ class TailWriter:
                 dev = rec.tail.get(pg, planned.get(pg))
                 if dev is None:
                     dev = planned[pg] = free.pop()
-                    bind.append((rec, int(slots[i]), pg, dev))
-                    for lst, v in zip(pub, (int(slots[i]), pg, self.pool.first_row(dev))):
+                    bind.append((rec, int(req_slots[i]), pg, dev))
+                    for lst, v in zip(pub, (int(req_slots[i]), pg, self.pool.first_row(dev))):
                         lst.append(v)
                 take = min(stop - pos, ps - pos % ps)
                 row = self.pool.first_row(dev) + pos % ps
@@ -183,11 +183,11 @@ class TailWriter:
             data = rows if here.all() else rows[torch.from_numpy(here)]
             self.pool.write(host_index(dst[here], self.pool.device), data)
         src.publish_pages(*pub)
-        src.set_seq_lens(slots[kept], end[kept])
-        for rec, slot, pg, dev in bind:
+        src.set_seq_lens(req_slots[kept], end[kept])
+        for rec, req_slot, pg, dev in bind:
             rec.tail_free.remove(dev)
             rec.tail[pg] = dev
-            self._set_current(slot, rec)
+            self._set_current(req_slot, rec)
         for i in np.flatnonzero(kept & (end // ps > page)):  # pages that completed
             self.backing[req_ids[i]] = self._requests[req_ids[i]]
         failed = {}
@@ -230,7 +230,7 @@ class TailWriter:
     def _start(self, recs: list["RequestPages"], errors: dict[str, Exception]) -> int:
         """Host copies of the complete tail pages of ``recs`` not already in flight: one
         gather of their device rows and one pass over the copy stream per
-        ``BATCH_PAGES`` pages.  A request whose backup fails is in ``errors`` and gets
+        run (``run_pages`` pages).  A request whose backup fails is in ``errors`` and gets
         no copy; the others are issued."""
         ps = self.page_size
         items, devs = [], []
@@ -242,19 +242,19 @@ class TailWriter:
             if not new:
                 continue
             try:
-                self.host.check_injected_fault(rec.req_id)
+                dsts = self.host.backup_slices(rec.req_id, [page * ps for page, _ in new], ps)
             except HostBackupError as e:
                 errors[rec.req_id] = e
                 continue
-            for page, dev in new:
-                items.append((rec, page))
+            for (page, dev), dst in zip(new, dsts):
+                items.append((rec, page, dst))
                 devs.append(dev)
-        for a in range(0, len(items), self.BATCH_PAGES):
-            batch = items[a:a + self.BATCH_PAGES]
-            src = self.pool.page_planes(devs[a:a + self.BATCH_PAGES])
-            pending = self.host.prepare_backups([(rec.req_id, page * ps) for rec, page in batch],
-                                                ps, src)
-            for (rec, page), p in zip(batch, pending):
+        for a in range(0, len(items), self.run_pages):
+            batch = items[a:a + self.run_pages]
+            src = self.pool.page_planes(devs[a:a + self.run_pages])
+            pending = self.host.prepare_backups(
+                [(rec.req_id, page * ps, dst) for rec, page, dst in batch], src)
+            for (rec, page, _), p in zip(batch, pending):
                 rec.backups.append((page, p))
         return len(items)
 
@@ -262,9 +262,9 @@ class TailWriter:
                        unpublished: tuple[list[int], list[int]] | None = None) -> None:
         """Completes the issued copies that have finished (all of them with ``wait``); each
         backed page leaves the tail (unpublished, freed).  Copies complete in issue order.
-        With ``unpublished`` (slots, pages) the caller unpublishes the pages, in one write
+        With ``unpublished`` (request slots, pages) the caller unpublishes the pages, in one write
         for many requests, before anything else touches the tables."""
-        slot = self.source.slot(rec.req_id)
+        req_slot = self.source.req_slot(rec.req_id)
         done = []
         while rec.backups:
             page, pending = rec.backups[0]
@@ -276,9 +276,9 @@ class TailWriter:
             rec.tail_free.append(rec.tail.pop(page))
             self.counters.host_pages_written += 1
         if unpublished is None:
-            self.source.unpublish_pages(slot, done)
+            self.source.unpublish_pages(req_slot, done)
         else:
-            unpublished[0].extend([slot] * len(done))
+            unpublished[0].extend([req_slot] * len(done))
             unpublished[1].extend(done)
 
     def flush(self, rec: "RequestPages") -> None:

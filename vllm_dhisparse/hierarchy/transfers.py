@@ -10,7 +10,7 @@ has completed, and only then may the caller mark rows backed or publish a
 page.  Nothing on the CPU reads a buffer whose copy is in flight: host rows are
 written in place, in one contiguous slice of the pinned store.
 
-Rows stored in several planes (``DevicePagePool`` segments) travel through one
+Rows stored in several planes (``DevicePagePool.planes``) travel through one
 contiguous device buffer allocated on the copy stream, so each direction is a
 single host<->device copy of whole rows.  On CPU every copy is synchronous.
 """
@@ -22,7 +22,7 @@ import torch
 
 from .devices import canonical_device
 
-Planes = list[tuple[int, torch.Tensor]]  # (first byte inside a row, rows [n, seg_bytes])
+Planes = list[tuple[int, torch.Tensor]]  # (first byte inside a row, rows [n, plane bytes])
 
 
 @dataclass
@@ -54,12 +54,12 @@ class CopyStream:
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor | Planes) -> Transfer:
         """``dst`` ([n, W] contiguous host slice) <- rows ``src`` ([n, W] any device, or
-        device planes ``[(first byte, [n, seg])]``)."""
+        device planes ``[(first byte, [n, plane bytes])]``)."""
         return self.to_host_rows([dst], [(0, src)] if isinstance(src, torch.Tensor) else src)
 
     def to_host_rows(self, dsts: list[torch.Tensor], planes: Planes) -> Transfer:
         """``dsts[i]`` ([n_i, W] contiguous host slices) <- the next n_i rows of ``planes``
-        (``[(first byte, [sum n_i, seg])]``, any device): one pass over the copy stream
+        (``[(first byte, [sum n_i, plane bytes])]``, any device): one pass over the copy stream
         and one event for all of them."""
         if self.stream is None or not planes[0][1].is_cuda:
             a = 0

@@ -85,8 +85,8 @@ class Admissions:
             with self.failures.isolated(req):
                 self.admit(req)
             if not req.admitted and not req.failed and self.device_window_tokens:
-                self.failures.fail(req, "no room in the hierarchy (device slots or host extent) "
-                                        "to hold the history vLLM frees behind "
+                self.failures.fail(req, "no room in the hierarchy (request slots, device pages "
+                                        "or host extent) to hold the history vLLM frees behind "
                                         "device_window_tokens; raise host_pool_gib / "
                                         "device_pool_pages or lower max_num_seqs")
 

@@ -62,7 +62,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         check_supported(vllm_config)  # refuse what would give wrong tokens, in every process
         require(vllm_config)  # every extension point applied, our scheduler and worker
         top_k = require_sparse_indexer(vllm_config.model_config)
-        self.cfg.hot_rows_for(top_k)  # B < k is a start-up error, in every process
+        self.cfg.hot_cache_rows_for(top_k)  # B < k is a start-up error, in every process
         self.spec_sizes = check_engine(vllm_config, self.cfg.spec)  # None without DSpark/DFlash2
         self.scheduler_side: SchedulerSide | None = None
         self.dhisparse_worker: WorkerSide | None = None

@@ -13,7 +13,7 @@ from vllm.logger import init_logger
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 FP8_DS_MLA_ROW_BYTES = 584  # 448 B fp8 NoPE + 128 B bf16 RoPE + 8 B scales (attention.py:876)
-FP8_DS_MLA_SEGMENTS = (576, 8)  # a block stores all rows' 576 data bytes, then all scale bytes
+FP8_DS_MLA_PLANE_BYTES = (576, 8)  # a block stores all rows' 576 data bytes, then all scale bytes
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class SparseLayer:
     row_bytes: int
     rows_per_block: int  # stored rows per vLLM block
     group: int  # KV cache group whose block table addresses this cache
-    segments: tuple[int, ...] = FP8_DS_MLA_SEGMENTS  # planes of a row inside a block
+    plane_bytes: tuple[int, ...] = FP8_DS_MLA_PLANE_BYTES  # planes of a row inside a block
 
 
 def require_sparse_indexer(model_config) -> int:

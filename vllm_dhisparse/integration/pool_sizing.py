@@ -47,7 +47,7 @@ class LayerShape:
     top_k: int
     row_bytes: int
     rows_per_block: int
-    segments: tuple[int, ...]
+    plane_bytes: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
     plans = []
     for layer in layers:
         layer_rows = -(-max_model_len // layer.compress_ratio) + 1
-        hot = cfg.hot_rows_for(layer.top_k)
+        hot = cfg.hot_cache_rows_for(layer.top_k)
         fresh = -(-max_queries // layer.compress_ratio) + 1
         overflow = max(0, max_queries * layer.top_k - hot)
         page = layer.rows_per_block
@@ -103,9 +103,9 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
                 f"{cfg.admission_reserve_pages}; allowed >= {floor} (or 0 = auto)")
         plans.append(SourcePlan(SourceSpec(
             name=layer.name, row_bytes=layer.row_bytes, page_size=page, device_pages=device_pages,
-            host_rows=host_rows, hot_rows=hot, tail_pages=cfg.tail_pages,
-            max_slots=max_num_seqs, max_rows=layer_rows,
-            segments=layer.segments), fresh, overflow, floor))
+            host_rows=host_rows, hot_cache_rows=hot, tail_pages=cfg.tail_pages,
+            max_req_slots=max_num_seqs, max_rows=layer_rows,
+            plane_bytes=layer.plane_bytes), fresh, overflow, floor))
     return plans
 
 
@@ -118,7 +118,7 @@ def staging_sizes(plans: list[SourcePlan], staging: StagingSpec | None, layers: 
                   k_max: int) -> dict:
     """Verification staging: the arenas' bytes next to eq. 11's bound
     ``M_stage = chi * N * K_max * k * d_KV`` for the widest source."""
-    n = plans[0].spec.max_slots if plans else 0
+    n = plans[0].spec.max_req_slots if plans else 0
     chi = staging.arenas if staging else 0
     arena = device_pool_bytes(plans, staging) - device_pool_bytes(plans, None)
     widest = max((layer.top_k * layer.row_bytes for layer in layers), default=0)
@@ -145,11 +145,11 @@ def max_queries(vllm_config) -> int:
 def budget_plans(vllm_config) -> list[SourcePlan]:
     """The pools for this engine, from the loaded model (before vLLM's KV cache config):
     c4a blocks hold ``block_size`` tokens, ``block_size / 4`` rows."""
-    from .model_probe import FP8_DS_MLA_ROW_BYTES, FP8_DS_MLA_SEGMENTS, iter_sparse_modules
+    from .model_probe import FP8_DS_MLA_PLANE_BYTES, FP8_DS_MLA_ROW_BYTES, iter_sparse_modules
     cfg = DHiSparseConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
     block = vllm_config.cache_config.block_size
     layers = [LayerShape(name, module.compress_ratio, int(module.topk_indices_buffer.shape[1]),
-                         FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_SEGMENTS)
+                         FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_PLANE_BYTES)
               for name, module in iter_sparse_modules(vllm_config)]
     return plan_sources(cfg, layers, vllm_config.model_config.max_model_len,
                         vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))

@@ -116,7 +116,8 @@ METRICS: tuple[MetricDef, ...] = (
     _c("host_backups_deferred", "Imported pages kept on device without a host copy (backup "
                                 "deferred until reclaim).", *_src("host_backups_deferred")),
     _c("admissions", "Requests admitted into the hierarchy."),
-    _c("admissions_waited", "Admission attempts that had to wait for device memory (or a slot)."),
+    _c("admissions_waited", "Admission attempts that had to wait for device memory (or a "
+                            "request slot)."),
     # -- state (gauges, latest values) --
     _g("admitted_requests", "Requests admitted into the hierarchy (allocated request slots).",
        "totals", "admitted"),

@@ -2,7 +2,7 @@
 
 A block of an ``fp8_ds_mla`` c4a cache is ``[rows x 576 B data][rows x 8 B
 scales]``, padded to a multiple of 576 B (``attention.py:873``); a logical row
-of the hierarchy is the row's data followed by its scales (``segments``).
+of the hierarchy is the row's data followed by its scales (``plane_bytes``).
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ class VllmC4aCaches:
         b = blocks[rows // layer.rows_per_block].to(cache.device)
         pos = (rows % layer.rows_per_block).to(cache.device)
         parts, plane_start = [], 0
-        for seg in layer.segments:  # plane s of a block starts after rows_per_block rows of s-1
-            cols = plane_start + pos[:, None] * seg + torch.arange(seg, device=cache.device)
+        for width in layer.plane_bytes:  # plane s of a block starts after rows_per_block rows of s-1
+            cols = plane_start + pos[:, None] * width + torch.arange(width, device=cache.device)
             parts.append(cache[b[:, None], cols])
-            plane_start += layer.rows_per_block * seg
+            plane_start += layer.rows_per_block * width
         return torch.cat(parts, dim=1)
 
     def first_rows(self, layer: SparseLayer, block_ids: list[int], n: int) -> torch.Tensor:

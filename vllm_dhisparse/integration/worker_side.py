@@ -103,7 +103,8 @@ class WorkerSide:
         self.admissions = self.admissions_cls(self.hierarchy, self.layers, self.vllm_cache,
                                               self.failures, self.cfg.device_window_tokens)
         logger.info("DHiSparse: %d sparse sources (%s), hot cache %d rows, host pool %.2f GiB",
-                    len(specs), ", ".join(self.layers), specs[0].hot_rows, self.cfg.host_pool_gib)
+                    len(specs), ", ".join(self.layers), specs[0].hot_cache_rows,
+                    self.cfg.host_pool_gib)
 
     # -- per step -----------------------------------------------------------------------
     def begin_step(self, meta: DHiSparseMetadata) -> None:

@@ -90,9 +90,10 @@ def save_series(series: list[dict], path: str) -> None:
 
 
 def derive(series: list[dict], window: int = 1) -> dict[str, list]:
-    """Time, slots, coverage % (None where nothing is eligible), host share % (None when idle)."""
+    """Time, allocated request slots, coverage % (None where nothing is eligible), host
+    share % (None when idle)."""
     t = [r["t"] for r in series]
-    slots = [r["admitted_requests"] for r in series]
+    req_slots = [r["admitted_requests"] for r in series]
     coverage = [100.0 * r["ready_optional_rows"] / r["eligible_history_rows"]
                 if r["eligible_history_rows"] > 0 else None for r in series]
     share = [None] * len(series)
@@ -101,7 +102,7 @@ def derive(series: list[dict], window: int = 1) -> dict[str, list]:
         host = series[i]["selected_rows_host"] - series[i - window]["selected_rows_host"]
         if sel > 0:
             share[i] = 100.0 * host / sel
-    return dict(t=t, slots=slots, coverage=coverage, share=share)
+    return dict(t=t, req_slots=req_slots, coverage=coverage, share=share)
 
 
 def plot(series: list[dict], out: str, title: str = "", window: int = 1) -> None:
@@ -111,12 +112,12 @@ def plot(series: list[dict], out: str, title: str = "", window: int = 1) -> None
 
     d = derive(series, window)
     fig, axes = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
-    panels = [("slots", "allocated\nrequest slots", "tab:blue", None),
+    panels = [("req_slots", "allocated\nrequest slots", "tab:blue", None),
               ("coverage", "coverage (%)", "tab:green", (0, 105)),
               ("share", "host-fetched\nshare (%)", "tab:red", None)]
     for ax, (key, label, color, ylim) in zip(axes, panels):
         pts = [(t, v) for t, v in zip(d["t"], d[key]) if v is not None]
-        if key == "slots":
+        if key == "req_slots":
             ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color=color, lw=1.5)
         else:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=1.5, marker=".", ms=3)

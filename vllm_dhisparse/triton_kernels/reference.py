@@ -10,10 +10,10 @@ Resolution contract (paper eq. 2, 6, 12), for one KV source:
   batch row n; -1 is padding.  A selection outside ``[-1, L)`` is invalid: it is
   treated as padding (location -1, nothing read) and counted in
   ``counters[n, COUNTER_INVALID]``.  L is ``seq_lens[s]`` (clamped to ``[0, P]``) when
-  the slots' lengths are given, else P = ``hot_slot_of.shape[1]``; with the lengths a
+  the request slots' lengths are given, else P = ``hot_slot_of.shape[1]``; with the lengths a
   selection can never reach a row the request has not written, so a caller that
   skips its own bounds check still reads nothing outside the request.
-  ``slot_ids[n]`` names the request slot; -1 marks a padding row (CUDA-graph
+  ``req_slots[n]`` names the request slot of batch row n; -1 marks a padding row (CUDA-graph
   padding): every location is -1, counters are 0 and no state is touched.
 * Lookup order per selection: direct map (tail + ready optional history,
   ``page_table``) -> hot cache (``hot_slot_of``) -> host.
@@ -22,14 +22,14 @@ Resolution contract (paper eq. 2, 6, 12), for one KV source:
 * Misses are ordered by position (ascending, i.e. host-address order).
 * Recency is a stamp per hot slot.  A call that reads the hot cache (a hit or a
   miss) takes the stamp ``c = hot_clock[s] + 1`` (int32, wrapping), stores it in
-  ``hot_clock[s]`` and in ``hot_stamp[s, b]`` of every slot it hits or fills.
-  Victims: among the slots whose stamp differs from ``c`` once this call's hits
+  ``hot_clock[s]`` and in ``hot_stamp[s, b]`` of every hot slot it hits or fills.
+  Victims: among the hot slots whose stamp differs from ``c`` once this call's hits
   are stamped (hits of this call are protected), the ``n_fill`` with the largest
-  age ``(c - stamp) mod 2**32``, ties to the lower slot; the i-th distinct miss
-  takes the i-th victim in slot order.  Misses beyond the available victims go,
+  age ``(c - stamp) mod 2**32``, ties to the lower hot slot; the i-th distinct miss
+  takes the i-th victim in hot-slot order.  Misses beyond the available victims go,
   in the same order, to ``staging_rows[n]`` and do not enter the hot cache.
   Recency therefore has call granularity: deterministic and exact.  Any int32 is
-  a valid stamp or clock (a wrapped or corrupt one only ages a slot), so neither
+  a valid stamp or clock (a wrapped or corrupt one only ages a hot slot), so neither
   table is ever used as an index and neither needs a check.
 * Output ``locations[n, j, i]`` is a device row such that
   ``device_rows[locations] == original row selections[n, j, i]`` (eq. 12)
@@ -39,14 +39,14 @@ Bounds safety.  Every index read from the three index tables is range-checked
 before it is used; an entry out of range degrades to "empty" (the row is
 fetched from host, which holds every row the hot cache or an optional page
 could hold) and is counted in ``counters[n, COUNTER_REPAIRS]``.  Nothing is
-ever read or written outside the slot's own table rows and rows.  Per batch
-row with slot s, B hot slots, P positions and the source's pool at device rows
+ever read or written outside the request slot's own table rows and rows.  Per batch
+row with request slot s, B hot slots, P positions and the source's pool at device rows
 ``[F, R)`` (F = 0 when the pool has a storage of its own; pools that share one storage
 each bound their own tables, so a corrupt entry never names another source's rows or a
 staging arena):
 
-* ``slot_ids[n]`` outside ``[-1, S)``: a padding row, one repair.
-* ``hot_pos[s, b]`` outside ``[-1, P)``: the slot is emptied (set to -1), by calls
+* ``req_slots[n]`` outside ``[-1, S)``: a padding row, one repair.
+* ``hot_pos[s, b]`` outside ``[-1, P)``: the hot slot is emptied (set to -1), by calls
   with a miss (they read the whole row to choose victims; a bad entry can never make
   a hit, since a hit needs ``hot_pos[s, v]`` to equal a row in ``[0, P)``).
 * ``page_table[s, p]`` outside ``{-1} ∪ [F, R - page_size]``: the page is
@@ -55,9 +55,9 @@ staging arena):
 * ``hot_slot_of[s, pos]`` other than -1 that is not a consistent hit
   (``0 <= v < B`` and ``hot_pos[s, v] == pos``): the row is a miss and the
   entry is reset.  Counted once per non-direct selection that reads it.
-* A filled slot unlinks its old row only where ``hot_slot_of`` points back.
+* A filled hot slot unlinks its old row only where ``hot_slot_of`` points back.
 
-``hot_rows``, ``staging_rows`` and ``host_base`` are the slot's placement,
+``hot_loc``, ``staging_rows`` and ``host_base`` are the request's placement,
 written once at admission from the allocators, and trusted.  ``R - page_size``
 is taken as -1 when the pool has fewer rows than a page.
 """
@@ -73,20 +73,20 @@ NUM_COUNTERS = 6
 
 def resolve_reference(
     selections: torch.Tensor,  # [N, K, k] int32, request-local rows, -1 pad
-    slot_ids: torch.Tensor,  # [N] int32 request slot of each batch row, -1 = padding row
+    req_slots: torch.Tensor,  # [N] int32 request slot of each batch row, -1 = padding row
     page_table: torch.Tensor,  # [S, max_pages] int32 device row of page start, -1 = not ready
     page_size: int,
     hot_pos: torch.Tensor,  # [S, B] int32 row held by each hot slot, -1 = empty (updated)
-    hot_rows: torch.Tensor,  # [S, B] int32 device row of each hot slot
+    hot_loc: torch.Tensor,  # [S, B] int32 device row of each hot slot
     hot_stamp: torch.Tensor,  # [S, B] int32 stamp of each hot slot's last use (updated)
-    hot_clock: torch.Tensor,  # [S] int32 stamp of the slot's last hot-cache call (updated)
+    hot_clock: torch.Tensor,  # [S] int32 stamp of the request's last hot-cache call (updated)
     hot_slot_of: torch.Tensor,  # [S, P] int32 row -> hot slot, -1 = absent (updated)
     staging_rows: torch.Tensor,  # [N, C] int32 device rows for overflow misses
-    host_base: torch.Tensor,  # [S] int64 host row of each slot's row 0
+    host_base: torch.Tensor,  # [S] int64 host row of each request's row 0
     *,
     num_device_rows: int,  # R: end of the source's device rows (bounds page_table entries)
     first_device_row: int = 0,  # F: first of them (pools sharing one storage)
-    seq_lens: torch.Tensor | None = None,  # [S] int32 rows written per slot (bounds selections)
+    seq_lens: torch.Tensor | None = None,  # [S] int32 rows written per request (bounds selections)
 ):
     """Returns ``(locations, miss_src, miss_dst, miss_count, counters)``.
 
@@ -99,7 +99,7 @@ def resolve_reference(
     """
     n_batch, n_queries, top_k = selections.shape
     dev = selections.device
-    n_slots, budget = hot_pos.shape
+    n_req_slots, hot_cache_rows = hot_pos.shape
     max_pos = hot_slot_of.shape[1]
     max_pages = page_table.shape[1]
     width = n_queries * top_k
@@ -108,15 +108,15 @@ def resolve_reference(
     miss_dst = torch.full((n_batch, width), -1, dtype=torch.int32, device=dev)
     miss_count = torch.zeros(n_batch, dtype=torch.int32, device=dev)
     counters = torch.zeros(n_batch, NUM_COUNTERS, dtype=torch.int32, device=dev)
-    arange_b = torch.arange(budget, device=dev)
+    arange_b = torch.arange(hot_cache_rows, device=dev)
 
     for n in range(n_batch):
-        slot = int(slot_ids[n])
-        if not 0 <= slot < n_slots:  # padding row
-            counters[n, COUNTER_REPAIRS] = int(slot != -1)
+        s = int(req_slots[n])  # request slot
+        if not 0 <= s < n_req_slots:  # padding row
+            counters[n, COUNTER_REPAIRS] = int(s != -1)
             continue
         sel = selections[n].reshape(-1).long()  # [K*k]
-        limit = max_pos if seq_lens is None else min(max(int(seq_lens[slot]), 0), max_pos)
+        limit = max_pos if seq_lens is None else min(max(int(seq_lens[s]), 0), max_pos)
         valid = (sel >= 0) & (sel < limit)
         invalid = int(((sel < -1) | (sel >= limit)).sum())
         pos = torch.where(valid, sel, 0)
@@ -125,66 +125,66 @@ def resolve_reference(
         # 1. direct: tail and ready optional-history pages
         page = pos // page_size
         in_table = page < max_pages
-        page_base = torch.where(in_table, page_table[slot, page.clamp(max=max_pages - 1)].long(), -1)
+        page_base = torch.where(in_table, page_table[s, page.clamp(max=max_pages - 1)].long(), -1)
         pt_bad = valid & ((page_base < -1) | ((page_base >= 0) & (page_base < first_device_row))
                           | (page_base > max(num_device_rows - page_size, -1)))
         direct = valid & (page_base >= 0) & ~pt_bad
         loc[direct] = page_base[direct] + pos[direct] % page_size
 
-        # 2. hot cache: a hit needs the slot to point back at the row
-        v = hot_slot_of[slot, pos].long()
-        v_in = (v >= 0) & (v < budget)
-        held = hot_pos[slot, v.clamp(0, max(budget - 1, 0))].long() if budget else v
+        # 2. hot cache: a hit needs the hot slot to point back at the row
+        v = hot_slot_of[s, pos].long()
+        v_in = (v >= 0) & (v < hot_cache_rows)
+        held = hot_pos[s, v.clamp(0, max(hot_cache_rows - 1, 0))].long() if hot_cache_rows else v
         nondirect = valid & ~direct
         hot = nondirect & v_in & (held == pos)
         hso_bad = nondirect & (v != -1) & ~hot
         repairs = int(pt_bad.sum()) + int(hso_bad.sum())
-        loc[hot] = hot_rows[slot, v[hot]].long()
+        loc[hot] = hot_loc[s, v[hot]].long()
         host = nondirect & ~hot
         stamp = None
         if bool(hot.any()) or bool(host.any()):  # the call reads the hot cache: new stamp
-            stamp = _wrap32(int(hot_clock[slot]) + 1)
-            hot_clock[slot] = stamp
-            hot_stamp[slot, v[hot]] = stamp
+            stamp = _wrap32(int(hot_clock[s]) + 1)
+            hot_clock[s] = stamp
+            hot_stamp[s, v[hot]] = stamp
 
-        # 3. distinct misses, ascending position, take the oldest unprotected slots (in
-        #    slot order); a call with a miss empties out-of-range hot_pos entries
-        hot_slot_of[slot, pos[host & (v != -1)]] = -1
+        # 3. distinct misses, ascending position, take the oldest unprotected hot slots (in
+        #    hot-slot order); a call with a miss empties out-of-range hot_pos entries
+        hot_slot_of[s, pos[host & (v != -1)]] = -1
         missing = torch.unique(pos[host])  # sorted ascending
         n_miss = missing.numel()
         if n_miss:
-            hp_bad = (hot_pos[slot] < -1) | (hot_pos[slot] >= max_pos)
+            hp_bad = (hot_pos[s] < -1) | (hot_pos[s] >= max_pos)
             repairs += int(hp_bad.sum())
-            hot_pos[slot, hp_bad] = -1
-            free = hot_stamp[slot] != stamp
-            age = (stamp - hot_stamp[slot].long()) & 0xFFFFFFFF
+            hot_pos[s, hp_bad] = -1
+            free = hot_stamp[s] != stamp
+            age = (stamp - hot_stamp[s].long()) & 0xFFFFFFFF
             oldest = arange_b[free][torch.sort(age[free], descending=True, stable=True).indices]
             n_hot_fill = min(n_miss, oldest.numel())
-            fill_slots = torch.sort(oldest[:n_hot_fill]).values
+            fill_hot_slots = torch.sort(oldest[:n_hot_fill]).values
         else:
             n_hot_fill = 0
-            fill_slots = arange_b[:0]
+            fill_hot_slots = arange_b[:0]
         n_stage = n_miss - n_hot_fill
         if n_stage > staging_rows.shape[1]:
             raise ValueError(
                 f"batch row {n}: {n_stage} overflow misses but staging_rows has "
                 f"{staging_rows.shape[1]} columns; need >= K*k - B")
         fill_pos = missing[:n_hot_fill]
-        old_pos = hot_pos[slot, fill_slots].long()
+        old_pos = hot_pos[s, fill_hot_slots].long()
         linked = old_pos >= 0
-        linked[linked.clone()] = hot_slot_of[slot, old_pos[linked]].long() == fill_slots[linked]
-        hot_slot_of[slot, old_pos[linked]] = -1
-        hot_pos[slot, fill_slots] = fill_pos.to(hot_pos.dtype)
-        hot_slot_of[slot, fill_pos] = fill_slots.to(hot_slot_of.dtype)
+        linked[linked.clone()] = hot_slot_of[s, old_pos[linked]].long() == fill_hot_slots[linked]
+        hot_slot_of[s, old_pos[linked]] = -1
+        hot_pos[s, fill_hot_slots] = fill_pos.to(hot_pos.dtype)
+        hot_slot_of[s, fill_pos] = fill_hot_slots.to(hot_slot_of.dtype)
         if n_hot_fill:
-            hot_stamp[slot, fill_slots] = stamp
-        dst = torch.cat([hot_rows[slot, fill_slots].long(),
+            hot_stamp[s, fill_hot_slots] = stamp
+        dst = torch.cat([hot_loc[s, fill_hot_slots].long(),
                          staging_rows[n, :n_stage].long()])
 
         # every selection of a missing row gets that row's location
         idx = torch.searchsorted(missing, pos[host])
         loc[host] = dst[idx]
-        miss_src[n, :n_miss] = int(host_base[slot]) + missing
+        miss_src[n, :n_miss] = int(host_base[s]) + missing
         miss_dst[n, :n_miss] = dst.to(torch.int32)
         miss_count[n] = n_miss
         counters[n, COUNTER_DIRECT] = int(direct.sum())

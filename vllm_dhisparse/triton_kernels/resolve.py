@@ -6,15 +6,15 @@ updates are bit-identical to ``reference.resolve_reference`` (the spec).
 
 No whole-block sort and no pass over the hot cache unless a row is missing.  Recency
 is a stamp per hot slot (the spec's ``hot_stamp`` / ``hot_clock``): a hit costs one
-store, and only a call with a miss walks the slot's B stamps to choose victims.
+store, and only a call with a miss walks the request's B stamps to choose victims.
 Phases of one program (batch row n, request slot s), separated by CTA barriers; the
 passes after phase 1 run only when their counts are non-zero:
 
   1a. per selection (chunks of BLOCK_W), on the entry state, no writes: direct page?
-     -> loc; else ``hot_slot_of`` hit (an in-range slot whose hot_pos points back)
-     -> loc = hot_rows[slot]; else host.  Four counts share one reduction.
+     -> loc; else ``hot_slot_of`` hit (an in-range hot slot whose hot_pos points back)
+     -> loc = hot_loc[hot slot]; else host.  Four counts share one reduction.
   1b. after a barrier (every lookup has read the entry state): hits store the call's
-     stamp c = hot_clock + 1 in their slot (duplicates store the same value); misses
+     stamp c = hot_clock + 1 in their hot slot (duplicates store the same value); misses
      claim their row with ``atomic_min(hot_slot_of[pos], CLAIM + j)`` after resetting
      an entry below -1.  All direct -> done (no stamp, no miss).
   2. (misses) per host selection j: owner = the claim left is j's own; the
@@ -23,31 +23,31 @@ passes after phase 1 run only when their counts are non-zero:
      sort of 256, 1024, 2048 or next_pow2(K*k) keys, whichever is the smallest
      that holds them, and each rank r records its owner j (read back from the
      claim), writes miss_src[r] and replaces the claim by the rank code -2 - r.
-  3. (misses) victims: the slot's stamps and hot_pos (loaded once, during phase 2,
-     when B fits one block) give, in one reduction, the unprotected slots (stamp !=
+  3. (misses) victims: the request's stamps and hot_pos (loaded once, during phase 2,
+     when B fits one block) give, in one reduction, the unprotected hot slots (stamp !=
      c), their largest age and the bad hot_pos entries; when fewer victims are needed
      than there are, a radix select (a 256-bin histogram per byte of the largest age,
-     from the top) finds the threshold age; the victims are the slots above it plus
-     the first ties in slot order, the i-th in slot order for miss rank i (one packed
-     cumsum): fills unlink their old row (where it points back), take the new one
-     (hot_pos / hot_slot_of / stamp), write miss_dst[r] = hot_rows[victim] and the
+     from the top) finds the threshold age; the victims are the hot slots above it
+     plus the first ties in hot-slot order, the i-th in hot-slot order for miss rank i
+     (one packed cumsum): fills unlink their old row (where it points back), take the new one
+     (hot_pos / hot_slot_of / stamp), write miss_dst[r] = hot_loc[victim] and the
      owner's location; bad hot_pos entries are emptied.  Overflow ranks take staging
      rows.
   4. only when a missing row was selected more than once (host selections >
      distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
-     the filled slot, else the rank code of a staged row;
+     the filled hot slot, else the rank code of a staged row;
   5. staged rows leave hot_slot_of;  6. (fused copy) the program copies its own
      misses from pinned host memory, the words of consecutive rows side by side; in
      the one-block path the first EARLY_ELEMS words are read from host right after
      phase 2 and stored after phase 3, so one PCIe round trip runs under the select.
 
-Requests in a batch must have distinct slots (the programs update per-slot state
-without synchronisation); slot -1 is a padding row.  Bounds: every index read
-from page_table, hot_slot_of and hot_pos is range-checked as the reference
-specifies (out-of-range entries degrade to empty and are counted in column 4 of
-the counters); stamps and clocks are never indices; a selection outside [-1, L) is
-padding and counted in column 5, L being the slot's length when ``seq_lens`` is given,
-else P.
+Requests in a batch must have distinct request slots (the programs update a request
+slot's state without synchronisation); request slot -1 is a padding row.  Bounds:
+every index read from page_table, hot_slot_of and hot_pos is range-checked as the
+reference specifies (out-of-range entries degrade to empty and are counted in column 4
+of the counters); stamps and clocks are never indices; a selection outside [-1, L) is
+padding and counted in column 5, L being the request's length when ``seq_lens`` is
+given, else P.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
 _BLOCK_B = 4096  # hot slots per chunk in phase 3 when B does not fit one block (one wave):
 # phase 3 walks B up to four times, one dependent load per chunk; at B = 8192 / 16384
-# 4096-slot chunks took 45.7 / 68.1 us where 1024 took 64.5 / 105.6 (NOTES.md)
+# 4096-hot-slot chunks took 45.7 / 68.1 us where 1024 took 64.5 / 105.6 (NOTES.md)
 _ONE_BLOCK_B = 4096  # largest B walked as one block in phase 3
 _NUM_WARPS = 16  # at least; more for a wide miss sort (_num_warps).  16 beat 8 in 7 of
 # the 9 SGLang cells (benchmarks/NOTES.md, v3): more loads in flight per request
@@ -129,14 +129,14 @@ def _sort_misses(ptr, count, SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr):
 
 @triton.jit
 def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, hot_pos_row,
-            hot_rows_row,
+            hot_loc_row,
             limit, B, loc_row, key_ptr, PAGE_SIZE: tl.constexpr):
     """Phase 1 lookups of selections ``j`` on the entry state; writes no state table,
     only the lanes' locations and keys (host: pos, hit: -2 - pos, else -1).
 
     Every table entry is range-checked before it is used as an index: a page_table
     entry outside {-1} u [F, R - PAGE_SIZE] is a page not ready, a hot_slot_of entry
-    is a hit only when it is a slot whose hot_pos points back at the row.  A selection
+    is a hit only when it is a hot slot whose hot_pos points back at the row.  A selection
     outside [-1, limit) reads nothing and is counted as invalid.  Returns the lanes'
     position, hot_slot_of entry, hit and host masks, and the chunk's direct, hot, host,
     repair and invalid counts."""
@@ -153,7 +153,7 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, 
     nondirect = valid & ~direct
     v_in = nondirect & (v >= 0) & (v < B)
     held = tl.load(hot_pos_row + v, mask=v_in, other=-1)
-    hot_row = tl.load(hot_rows_row + v, mask=v_in, other=-1)
+    hot_row = tl.load(hot_loc_row + v, mask=v_in, other=-1)
     hot = v_in & (held == pos)
     host = nondirect & ~hot
     hso_bad = nondirect & (v != -1) & ~hot
@@ -172,13 +172,13 @@ def _lookup(sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, 
 
 @triton.jit
 def _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, c, CLAIM: tl.constexpr):
-    """Phase 1 writes: hits stamp their slot with the call's stamp c (duplicates store
+    """Phase 1 writes: hits stamp their hot slot with the call's stamp c (duplicates store
     the same value, so a plain store is race-free), misses claim their row
     (hot_slot_of = CLAIM + j, the smallest j left wins).  An entry that was below -1
     on entry (corrupt) is reset first; a reset may also clear another lane's claim,
     but every lane that resets claims after it, so the row still ends with one owner."""
     tl.store(stamp_row + v, tl.zeros_like(v) + c, mask=hot)
-    # relaxed, CTA scope: only this program touches this slot's rows, and the
+    # relaxed, CTA scope: only this program touches this request slot's rows, and the
     # barriers order the phases (acq_rel serialised each thread's atomics)
     tl.atomic_xchg(hso_row + pos, tl.zeros_like(pos) - 1, mask=host & (v < -1),
                    sem="relaxed", scope="cta")
@@ -187,7 +187,7 @@ def _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, c, CLAIM: tl.cons
 
 @triton.jit
 def _age(stamp, c):
-    """(c - stamp) mod 2**32 as int64: how many stamps ago the slot was last used."""
+    """(c - stamp) mod 2**32 as int64: how many stamps ago the hot slot was last used."""
     return (c - stamp).to(tl.int64) & 0xFFFFFFFF
 
 
@@ -210,7 +210,7 @@ def _passes(max_age):
 
 @triton.jit
 def _age_histogram(age, free, prefix, shift):
-    """Histogram of byte ``shift`` of the ages of the unprotected slots whose higher
+    """Histogram of byte ``shift`` of the ages of the unprotected hot slots whose higher
     bytes equal ``prefix``'s, inverted so that the oldest fall in the lowest bins."""
     cand = free & ((age >> (shift + 8)) == (prefix >> (shift + 8)))
     dig = (255 - ((age >> shift) & 255)).to(tl.int32)
@@ -219,8 +219,8 @@ def _age_histogram(age, free, prefix, shift):
 
 @triton.jit
 def _radix_step(hist, need, prefix, shift):
-    """One byte of the threshold age: the bin that holds the ``need``-th oldest slot.
-    Returns how many of that bin's slots are still needed and the threshold so far."""
+    """One byte of the threshold age: the bin that holds the ``need``-th oldest hot slot.
+    Returns how many of that bin's hot slots are still needed and the threshold so far."""
     cum = tl.cumsum(hist, 0)
     below = cum < need  # the bins before it (cum is non-decreasing)
     d, taken = tl.reduce((below.to(tl.int32), tl.where(below, hist, 0)), 0, _sum_sum)
@@ -229,12 +229,12 @@ def _radix_step(hist, need, prefix, shift):
 
 @triton.jit
 def _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t, mpos_ptr, mj_ptr,
-                  hot_pos_row, hot_rows_row, stamp_row, hso_row, miss_dst_row, loc_row):
-    """Phase 3 on the slots ``b`` (stamps ``st``, hot_pos ``hp``): victims are the
-    unprotected slots older than ``thresh`` plus the first ``ties`` at ``thresh`` (in
-    slot order, ``run_a`` / ``run_t`` of each before ``b``); the victim with r victims
+                  hot_pos_row, hot_loc_row, stamp_row, hso_row, miss_dst_row, loc_row):
+    """Phase 3 on the hot slots ``b`` (stamps ``st``, hot_pos ``hp``): victims are the
+    unprotected hot slots older than ``thresh`` plus the first ``ties`` at ``thresh`` (in
+    hot-slot order, ``run_a`` / ``run_t`` of each before ``b``); the victim with r victims
     before it takes miss rank r.  Empties bad hot_pos entries.  Returns this block's
-    count of older slots plus its ties << 16."""
+    count of older hot slots plus its ties << 16."""
     free = mb & (st != now)
     age = _age(st, now)
     older = (free & (age > thresh)).to(tl.int32)
@@ -246,12 +246,12 @@ def _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t, mpos_
     r = run_a + (before & 0xFFFF) + tl.minimum(t_rank, ties)  # miss rank of this victim
     bad = mb & ((hp < -1) | (hp >= max_pos))
     held = fill & ~bad & (hp >= 0)
-    # the old row is unlinked only where it points back at this slot: a stale entry
+    # the old row is unlinked only where it points back at this hot slot: a stale entry
     # may name a row that another victim takes in this call
     link = tl.load(hso_row + hp, mask=held, other=-1)
     new_pos = tl.load(mpos_ptr + r, mask=fill, other=0)
     owner = tl.load(mj_ptr + r, mask=fill, other=0)
-    victim_row = tl.load(hot_rows_row + b, mask=fill, other=-1)
+    victim_row = tl.load(hot_loc_row + b, mask=fill, other=-1)
     tl.store(hso_row + hp, tl.zeros_like(hp) - 1, mask=held & (link == b))
     tl.store(hot_pos_row + b, tl.where(fill, new_pos, -1), mask=fill | bad)
     tl.store(stamp_row + b, tl.zeros_like(st) + now, mask=fill)
@@ -295,17 +295,17 @@ def _store_words(val, miss_dst_row, n_elems, e0, copy_dst_ptr, copy_dst2_ptr,
 @triton.jit
 def _resolve_kernel(
     sel_ptr, sel_stride,  # [N, W] int32 (selections viewed as [N, K*k])
-    slot_ids_ptr, n_slots,  # [N] int32, -1 = padding row
+    req_slots_ptr, n_req_slots,  # [N] int32 request slot of each batch row, -1 = padding row
     page_table_ptr, page_table_stride, max_pages,  # [S, max_pages] int32
     pt_first, pt_last,  # entries in [F, R - PAGE_SIZE]: the source's own device rows
     hot_pos_ptr, hot_pos_stride,  # [S, B] int32 (updated)
-    hot_rows_ptr, hot_rows_stride,  # [S, B] int32
+    hot_loc_ptr, hot_loc_stride,  # [S, B] int32
     stamp_ptr, stamp_stride,  # [S, B] int32 (updated)
     clock_ptr,  # [S] int32 (updated)
     hot_slot_of_ptr, hot_slot_of_stride, max_pos,  # [S, P] int32 (updated)
     staging_ptr, staging_stride,  # [N, C] int32
     host_base_ptr,  # [S] int64
-    seq_lens_ptr,  # [S] int32 (LENS): rows written per slot, the bound of selections
+    seq_lens_ptr,  # [S] int32 (LENS): rows written per request, the bound of selections
     loc_ptr,  # [N, W] int32 out
     miss_src_ptr,  # [N, W] int64 out
     miss_dst_ptr,  # [N, W] int32 out
@@ -316,19 +316,19 @@ def _resolve_kernel(
     W, B,
     PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # W <= BLOCK_W: phase 1 keeps its lookups in registers
-    ONE_B: tl.constexpr,  # B <= BLOCK_B: phase 3 keeps the slot's stamps in registers
+    ONE_B: tl.constexpr,  # B <= BLOCK_B: phase 3 keeps the request's stamps in registers
     SORT_MAX: tl.constexpr, SORT_MID: tl.constexpr,
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     DST2_STRIDE: tl.constexpr, SPLIT: tl.constexpr,  # words of a row in the first plane
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
     EARLY_ELEMS: tl.constexpr,  # words read from host before phase 3 (COPY and ONE_B only)
-    LENS: tl.constexpr,  # seq_lens given: selections at or past a slot's length are invalid
+    LENS: tl.constexpr,  # seq_lens given: selections at or past a request's length are invalid
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
     n = tl.program_id(0).to(tl.int64)
-    slot_id = tl.load(slot_ids_ptr + n)
-    real = (slot_id >= 0) & (slot_id < n_slots)  # else a padding row: touches no state
-    slot = tl.where(real, slot_id, 0).to(tl.int64)
+    req_slot = tl.load(req_slots_ptr + n)
+    real = (req_slot >= 0) & (req_slot < n_req_slots)  # else a padding row: touches no state
+    s = tl.where(real, req_slot, 0).to(tl.int64)
     key_ptr = scratch_ptr + n * scratch_stride  # [W] host: pos, hit: -2 - pos, else -1
     mpos_ptr = key_ptr + W  # [SORT_MAX] position of miss rank r
     mj_ptr = mpos_ptr + SORT_MAX  # [W] the selection j that owns miss rank r
@@ -337,17 +337,17 @@ def _resolve_kernel(
     miss_src_row = miss_src_ptr + n * W
     miss_dst_row = miss_dst_ptr + n * W
     staging_row = staging_ptr + n * staging_stride
-    pt_row = page_table_ptr + slot * page_table_stride
-    hot_pos_row = hot_pos_ptr + slot * hot_pos_stride
-    hot_rows_row = hot_rows_ptr + slot * hot_rows_stride
-    stamp_row = stamp_ptr + slot * stamp_stride
-    hso_row = hot_slot_of_ptr + slot * hot_slot_of_stride
+    pt_row = page_table_ptr + s * page_table_stride
+    hot_pos_row = hot_pos_ptr + s * hot_pos_stride
+    hot_loc_row = hot_loc_ptr + s * hot_loc_stride
+    stamp_row = stamp_ptr + s * stamp_stride
+    hso_row = hot_slot_of_ptr + s * hot_slot_of_stride
     offs_w = tl.arange(0, BLOCK_W)
     offs_b = tl.arange(0, BLOCK_B)
-    now = tl.load(clock_ptr + slot, mask=real, other=0) + 1  # this call's stamp (wraps)
+    now = tl.load(clock_ptr + s, mask=real, other=0) + 1  # this call's stamp (wraps)
     limit = max_pos
     if LENS:  # a corrupt length only narrows or widens the bound within [0, P]
-        written = tl.load(seq_lens_ptr + slot, mask=real, other=0)
+        written = tl.load(seq_lens_ptr + s, mask=real, other=0)
         limit = tl.minimum(tl.maximum(written, 0), max_pos)
 
     # 1a. lookups on the entry state: direct -> hot -> host (no state table written yet)
@@ -355,14 +355,14 @@ def _resolve_kernel(
     n_hot = 0
     n_host = 0
     n_invalid = 0
-    repairs = (slot_id != -1) & ~real
+    repairs = (req_slot != -1) & ~real
     repairs = repairs.to(tl.int32)
     if ONE_CHUNK:
         j = offs_w
         m = j < W
         pos, v, hot, host, n_direct, n_hot, n_host, rep1, n_invalid = _lookup(
             sel_row, j, m, real, pt_row, max_pages, pt_first, pt_last, hso_row, hot_pos_row,
-            hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
+            hot_loc_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
         repairs += rep1
     else:
         for w0 in range(0, W, BLOCK_W):
@@ -370,7 +370,7 @@ def _resolve_kernel(
             mc = jc < W
             _, vc, _, _, n_dir_c, n_hot_c, n_host_c, n_rep_c, n_inv_c = _lookup(
                 sel_row, jc, mc, real, pt_row, max_pages, pt_first, pt_last, hso_row,
-                hot_pos_row, hot_rows_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
+                hot_pos_row, hot_loc_row, limit, B, loc_row, key_ptr, PAGE_SIZE)
             tl.store(mj_ptr + jc, vc, mask=mc)  # entry values for 1b (mj is free until phase 2)
             n_direct += n_dir_c
             n_hot += n_hot_c
@@ -378,9 +378,9 @@ def _resolve_kernel(
             n_invalid += n_inv_c
             repairs += n_rep_c
     tl.debug_barrier()  # every lookup (and the clock) read the entry state before any write
-    tl.store(clock_ptr + slot, now, mask=real & (n_hot + n_host > 0))
+    tl.store(clock_ptr + s, now, mask=real & (n_hot + n_host > 0))
 
-    # 1b. hits stamp their slot, misses claim their row
+    # 1b. hits stamp their hot slot, misses claim their row
     if ONE_CHUNK:
         _stamp_and_claim(pos, v, hot, host, j, stamp_row, hso_row, now, CLAIM)
     else:
@@ -398,9 +398,9 @@ def _resolve_kernel(
     #    (ascending = host-address order), ranks scattered back
     n_miss = 0
     n_fill = 0
-    base = tl.load(host_base_ptr + slot, mask=real, other=0)
+    base = tl.load(host_base_ptr + s, mask=real, other=0)
     if n_host > 0:
-        if ONE_B:  # phase 3's only loads of the slot's rows, in flight during phase 2
+        if ONE_B:  # phase 3's only loads of the request slot's rows, in flight during phase 2
             mb = offs_b < B
             st_all = tl.load(stamp_row + offs_b, mask=mb, other=0)
             hp_all = tl.load(hot_pos_row + offs_b, mask=mb, other=-1)
@@ -429,7 +429,7 @@ def _resolve_kernel(
             first = _host_words(miss_src_row, n_miss * ROW_ELEMS, 0, copy_src_ptr, SRC_STRIDE,
                                 ROW_ELEMS, EARLY_ELEMS)
 
-        # 3. victims: the n_fill oldest unprotected slots, the i-th in slot order for
+        # 3. victims: the n_fill oldest unprotected hot slots, the i-th in hot-slot order for
         #    miss rank i; each filled rank's owner gets its location here, duplicates
         #    in phase 4
         if ONE_B:  # the whole row in registers: one load, every pass reads registers
@@ -439,7 +439,7 @@ def _resolve_kernel(
             n_free, n_hp_bad, max_age = tl.reduce(
                 (free.to(tl.int32), bad.to(tl.int32), tl.where(free, age, 0)), 0, _sum_sum_max)
             n_fill = tl.minimum(n_miss, n_free)
-            thresh = max_age * 0  # every unprotected slot is older than 0
+            thresh = max_age * 0  # every unprotected hot slot is older than 0
             ties = n_fill * 0
             if n_fill < n_free:
                 need = n_fill
@@ -450,7 +450,7 @@ def _resolve_kernel(
                     need, thresh = _radix_step(hist, need, thresh, shift)
                 ties = need
             _fill_victims(st_all, hp_all, offs_b, mb, now, max_pos, thresh, ties, 0, 0,
-                          mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, stamp_row, hso_row,
+                          mpos_ptr, mj_ptr, hot_pos_row, hot_loc_row, stamp_row, hso_row,
                           miss_dst_row, loc_row)
         else:
             n_free = 0
@@ -492,7 +492,7 @@ def _resolve_kernel(
                 st = tl.load(stamp_row + b, mask=mb, other=0)
                 hp = tl.load(hot_pos_row + b, mask=mb, other=-1)
                 packed = _fill_victims(st, hp, b, mb, now, max_pos, thresh, ties, run_a, run_t,
-                                       mpos_ptr, mj_ptr, hot_pos_row, hot_rows_row, stamp_row,
+                                       mpos_ptr, mj_ptr, hot_pos_row, hot_loc_row, stamp_row,
                                        hso_row, miss_dst_row, loc_row)
                 run_a += packed & 0xFFFF
                 run_t += packed >> 16
@@ -525,7 +525,7 @@ def _resolve_kernel(
             code = tl.load(hso_row + kp, mask=h4, other=-1)
             filled = h4 & (code >= 0)
             staged = h4 & (code < -1)
-            hot_row = tl.load(hot_rows_row + code, mask=filled, other=-1)
+            hot_row = tl.load(hot_loc_row + code, mask=filled, other=-1)
             stage_row = tl.load(staging_row + (-2 - code - n_fill), mask=staged, other=-1)
             tl.store(loc_row + j4, tl.where(filled, hot_row, stage_row), mask=h4)
         tl.debug_barrier()
@@ -605,7 +605,7 @@ def fuses_copy(width: int, fused_copy=None) -> bool:
     return bool(fused_copy) if fused_copy is not None else width <= _FUSE_MAX_WIDTH
 
 
-def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_stamp,
+def resolve(selections, req_slots, page_table, page_size, hot_pos, hot_loc, hot_stamp,
             hot_clock, hot_slot_of, staging_rows, host_base, host_rows=None, device_rows=None,
             fused_copy=None, *, num_device_rows=None, first_device_row=0, seq_lens=None):
     """Triton ``resolve_reference``: same arguments, outputs and state updates.
@@ -628,7 +628,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
 
     Returns ``(locations [N,K,k] i32, miss_src [N,K*k] i64, miss_dst [N,K*k] i32,
     miss_count [N] i32, counters [N,5] i32)``; updates hot_pos, hot_stamp, hot_clock
-    and hot_slot_of of the slots in ``slot_ids`` in place.  ``slot_ids`` must be
+    and hot_slot_of of the request slots in ``req_slots`` in place.  ``req_slots`` must be
     distinct.  ``staging_rows`` may have more than N rows (an arena sized for the
     largest batch); ``staging_rows.shape[1] >= K*k - B`` (the worst case) is
     required up front because the kernel cannot raise.
@@ -650,21 +650,21 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
     if not isinstance(hot_pos, torch.Tensor) or hot_pos.dim() != 2:
         raise ValueError(f"hot_pos must be a 2-D tensor [S, B], got "
                          f"{list(hot_pos.shape) if isinstance(hot_pos, torch.Tensor) else hot_pos!r}")
-    n_slots, budget = hot_pos.shape
-    _check("slot_ids", slot_ids, torch.int32, (n_batch,), dev)
-    _check("page_table", page_table, torch.int32, (n_slots, None), dev)
-    _check("hot_pos", hot_pos, torch.int32, (n_slots, budget), dev)
-    _check("hot_rows", hot_rows, torch.int32, (n_slots, budget), dev)
-    _check("hot_stamp", hot_stamp, torch.int32, (n_slots, budget), dev)
-    _check("hot_clock", hot_clock, torch.int32, (n_slots,), dev)
-    _check("hot_slot_of", hot_slot_of, torch.int32, (n_slots, None), dev)
+    n_req_slots, hot_cache_rows = hot_pos.shape
+    _check("req_slots", req_slots, torch.int32, (n_batch,), dev)
+    _check("page_table", page_table, torch.int32, (n_req_slots, None), dev)
+    _check("hot_pos", hot_pos, torch.int32, (n_req_slots, hot_cache_rows), dev)
+    _check("hot_loc", hot_loc, torch.int32, (n_req_slots, hot_cache_rows), dev)
+    _check("hot_stamp", hot_stamp, torch.int32, (n_req_slots, hot_cache_rows), dev)
+    _check("hot_clock", hot_clock, torch.int32, (n_req_slots,), dev)
+    _check("hot_slot_of", hot_slot_of, torch.int32, (n_req_slots, None), dev)
     _check("staging_rows", staging_rows, torch.int32, (None, None), dev)
     if staging_rows.shape[0] < n_batch:
         raise ValueError(f"staging_rows must have >= N = {n_batch} rows (one per batch row), "
                          f"got shape {list(staging_rows.shape)}")
-    _check("host_base", host_base, torch.int64, (n_slots,), dev)
+    _check("host_base", host_base, torch.int64, (n_req_slots,), dev)
     if seq_lens is not None:
-        _check("seq_lens", seq_lens, torch.int32, (n_slots,), dev)
+        _check("seq_lens", seq_lens, torch.int32, (n_req_slots,), dev)
     if hot_slot_of.shape[1] >= _INT32_MAX:
         raise ValueError(f"hot_slot_of.shape[1] must be < {_INT32_MAX}, got {hot_slot_of.shape[1]}")
     if width >= _MAX_WIDTH:
@@ -683,9 +683,9 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
             or not 0 <= first_device_row <= num_device_rows:
         raise ValueError(f"first_device_row must be an int in [0, num_device_rows = "
                          f"{num_device_rows}], got {first_device_row!r}")
-    need = max(0, width - budget)
+    need = max(0, width - hot_cache_rows)
     if staging_rows.shape[1] < need:
-        raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {budget} = "
+        raise ValueError(f"staging_rows.shape[1] must be >= K*k - B = {width} - {hot_cache_rows} = "
                          f"{need}, got {staging_rows.shape[1]}")
 
     copy = host_rows is not None or device_rows is not None
@@ -730,7 +730,7 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
     one_wave = n_batch <= _sm_count(dev)
     block_w = min(_BLOCK_W if one_wave else _MANY_BLOCK_W, triton.next_power_of_2(max(width, 1)))
     assert block_w <= 2048, "phase 1 packs five counts of a chunk into 12 bits each"
-    b_pad = triton.next_power_of_2(max(budget, 1))
+    b_pad = triton.next_power_of_2(max(hot_cache_rows, 1))
     if one_wave and b_pad <= _ONE_BLOCK_B:
         block_b = b_pad
     else:
@@ -753,31 +753,31 @@ def resolve(selections, slot_ids, page_table, page_size, hot_pos, hot_rows, hot_
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
             selections, selections.stride(0),
-            slot_ids, n_slots,
+            req_slots, n_req_slots,
             page_table, page_table.stride(0), page_table.shape[1], int(first_device_row),
             max(int(num_device_rows) - int(page_size), -1),
             hot_pos, hot_pos.stride(0),
-            hot_rows, hot_rows.stride(0),
+            hot_loc, hot_loc.stride(0),
             hot_stamp, hot_stamp.stride(0),
             hot_clock,
             hot_slot_of, hot_slot_of.stride(0), hot_slot_of.shape[1],
             staging_rows, staging_rows.stride(0),
             host_base,
-            slot_ids if seq_lens is None else seq_lens,
+            req_slots if seq_lens is None else seq_lens,
             locations, miss_src, miss_dst, miss_count, counters,
             scratch, max(scratch.stride(0), 1),
             copy_src, copy_dst, copy_dst2,
-            width, budget,
+            width, hot_cache_rows,
             PAGE_SIZE=int(page_size),
             BLOCK_W=block_w,
             BLOCK_B=block_b,
             ONE_CHUNK=width <= block_w,
-            ONE_B=budget <= block_b,
+            ONE_B=hot_cache_rows <= block_b,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             DST2_STRIDE=dst2_stride, SPLIT=split,
             ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
-            EARLY_ELEMS=_EARLY_ELEMS if fused and budget <= block_b else 0,
+            EARLY_ELEMS=_EARLY_ELEMS if fused and hot_cache_rows <= block_b else 0,
             LENS=seq_lens is not None,
             num_warps=warps,
             num_stages=1,

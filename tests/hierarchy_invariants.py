@@ -7,7 +7,7 @@
     marked backed.
 (b) The hot cache is coherent: ``hot_pos`` and ``hot_slot_of`` are inverse, no
     hot slot carries a stamp ahead of its clock, and the device rows at
-    ``hot_rows`` hold the original rows they claim (eq. 12 for hot hits).
+    ``hot_loc`` hold the original rows they claim (eq. 12 for hot hits).
 (c) No pending page is published (ready vs allocated), and the direct map
     publishes exactly the tail and ready optional pages.
 (d) Pool accounting: pages in use = Σ required + optional + pending, no page
@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from .hierarchy import KVHierarchy
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
 
 def _first(mask: torch.Tensor) -> int:
@@ -36,16 +36,16 @@ def _first(mask: torch.Tensor) -> int:
 def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> None:
     for name, parts in h.sources.items():
         st, pool, host, rm = parts.state, parts.pool, parts.host, parts.residency
-        ps, budget = parts.spec.page_size, st.budget
+        ps, hot_cache_rows = parts.spec.page_size, st.hot_cache_rows
         assert set(rm.requests) == set(h.requests) == set(st.open_requests), (
             f"source {name!r}: admitted sets disagree: residency {sorted(rm.requests)}, "
-            f"hierarchy {sorted(h.requests)}, slots {sorted(st.open_requests)}")
+            f"hierarchy {sorted(h.requests)}, request slots {sorted(st.open_requests)}")
         owned: dict[int, str] = {}
         for req_id, rec in rm.requests.items():
             where = f"source {name!r} request {req_id!r}"
-            slot = st.slot(req_id)
+            s = st.req_slot(req_id)
             n = st.seq_len(req_id)
-            table = st.page_table[slot].cpu()
+            table = st.page_table[s].cpu()
 
             # (d) ownership
             for page in rec.owned_pages():
@@ -109,14 +109,14 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
                         f"is marked backed but differs from the original")
 
             # (b) hot cache coherence
-            hot_pos = st.hot_pos[slot].cpu().long()
-            slot_of = st.hot_slot_of[slot].cpu().long()
+            hot_pos = st.hot_pos[s].cpu().long()
+            slot_of = st.hot_slot_of[s].cpu().long()
             # a stamp is at most the clock (ages mod 2**32 below 2**31: any wrap is fine)
-            age = (int(st.hot_clock[slot]) - st.hot_stamp[slot].cpu().long()) & 0xFFFFFFFF
+            age = (int(st.hot_clock[s]) - st.hot_stamp[s].cpu().long()) & 0xFFFFFFFF
             ahead = age >= 2**31
             assert not bool(ahead.any()), (
                 f"{where}: hot slots {ahead.nonzero().flatten().tolist()} carry stamps ahead "
-                f"of the clock {int(st.hot_clock[slot])}")
+                f"of the clock {int(st.hot_clock[s])}")
             held = hot_pos >= 0
             assert bool((hot_pos[held] < n).all()), \
                 f"{where}: hot cache holds rows {hot_pos[held].tolist()} at/after seq_len {n}"
@@ -127,12 +127,12 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
             mapped = (slot_of >= 0).nonzero().flatten()
             for r in mapped.tolist():
                 assert int(hot_pos[slot_of[r]]) == r, (
-                    f"{where}: hot_slot_of[{r}] = {int(slot_of[r])} but that slot holds "
+                    f"{where}: hot_slot_of[{r}] = {int(slot_of[r])} but that hot slot holds "
                     f"{int(hot_pos[slot_of[r]])}")
-            hot_dev = st.hot_rows[slot].cpu().long()
-            expect_hot = pool.page_rows(rec.hot)[:budget]
+            hot_dev = st.hot_loc[s].cpu().long()
+            expect_hot = pool.page_rows(rec.hot)[:hot_cache_rows]
             assert torch.equal(hot_dev, expect_hot), \
-                f"{where}: hot_rows {hot_dev.tolist()} are not the request's hot pages {rec.hot}"
+                f"{where}: hot_loc {hot_dev.tolist()} are not the request's hot pages {rec.hot}"
             if t is not None and bool(held.any()):
                 got = pool.read(hot_dev[held]).cpu()
                 bad = (got != t[hot_pos[held]]).any(1)
@@ -140,9 +140,9 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
                     f"{where}: hot slot {int(held.nonzero().flatten()[_first(bad)])} holds stale bytes "
                     f"for row {int(hot_pos[held][_first(bad)])}")
 
-            # host extent is this slot's
-            assert int(st.host_base[slot]) == host.base(req_id), \
-                f"{where}: host_base {int(st.host_base[slot])} != extent base {host.base(req_id)}"
+            # host extent is this request's
+            assert int(st.host_base[s]) == host.base(req_id), \
+                f"{where}: host_base {int(st.host_base[s])} != extent base {host.base(req_id)}"
 
         # (d) accounting and eq. 3
         in_use = pool.num_pages - pool.num_free
@@ -155,9 +155,10 @@ def check_invariants(h: KVHierarchy, truth: Mapping[str, Mapping[str, torch.Tens
         assert req + opt + pend + rm.reserve <= pool.num_pages, (
             f"source {name!r}: eq. 3 violated: M_req {req} + M_opt {opt + pend} + M_res "
             f"{rm.reserve} > M {pool.num_pages}")
-        free_slots = set(range(st.max_slots)) - {st.slot(r) for r in rm.requests}
-        for s in free_slots:
-            assert bool((st.page_table[s] < 0).all()), f"source {name!r}: closed slot {s} still publishes pages"
+        free_req_slots = set(range(st.max_req_slots)) - {st.req_slot(r) for r in rm.requests}
+        for s in free_req_slots:
+            assert bool((st.page_table[s] < 0).all()), \
+                f"source {name!r}: closed request slot {s} still publishes pages"
     for arenas in h.staging:
         assert not arenas.live_sources(), (
             f"staging arenas of {arenas.rows.name!r} still held by {arenas.live_sources()} "
