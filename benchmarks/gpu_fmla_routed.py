@@ -434,6 +434,38 @@ def time_case(kernel, cfg, dev) -> dict:
                 within_target=overhead <= 1.25 * copy_ms + 0.020)
 
 
+def plot(checks_json: str, timing_json: str, png: str) -> None:
+    """The committed results as one figure: every routed-vs-resident case (host share of
+    the selections, bitwise or not) and the graph-replayed cost next to the copy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    checks, timing = (json.loads(Path(p).read_text()) for p in (checks_json, timing_json))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig.suptitle(f"DeepSeek-V4 c4a decode routed through KVHierarchy vs vLLM 0.33 FlashMLA "
+                 f"resident\n{checks['device']} | {checks['date']} | checks {checks['commit']}, "
+                 f"timing {timing['commit']}", fontsize=9)
+    cases = checks["cases"]
+    names = [f"N{c['batch']} K{c['queries']} m{c['miss_target']:.2f}" for c in cases]
+    a.bar(range(len(cases)), [c["host_share"] for c in cases],
+          color=["tab:green" if c["passed"] else "tab:red" for c in cases])
+    a.set_xticks(range(len(cases)), names, rotation=90, fontsize=6)
+    a.set_ylabel("host-served share of selections")
+    a.set_title(f"{sum(c['passed'] for c in cases)}/{len(cases)} cases bitwise (out, LSE); "
+                f"graph replays {'ok' if checks['graph']['passed'] else 'FAIL'}", fontsize=9)
+    t = timing["timing"]
+    keys = [("graph_resident_ms", "FlashMLA\n(resident)"), ("graph_routed_ms", "resolve +\nFlashMLA"),
+            ("routing_overhead_ms", "routing\noverhead"), ("miss_copy_ms", "pinned copy\nof misses"),
+            ("target_ms", "target\n1.25 copy + 20 us")]
+    b.bar(range(len(keys)), [t[k] * 1e3 for k, _ in keys], color="tab:blue")
+    b.set_xticks(range(len(keys)), [label for _, label in keys], fontsize=8)
+    b.set_ylabel("us per layer call (CUDA graph replay, median)")
+    b.set_title(f"N={t['batch']} tokens, top-k 512 + SWA 128, 64 heads, "
+                f"{t['miss_rows_per_step']} miss rows per call", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -444,7 +476,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="checks,graph,timing",
                     help="comma-separated: checks (routed vs resident cases), graph, timing")
     ap.add_argument("--commit", default=None, help="commit recorded in the JSON (default: git's)")
+    ap.add_argument("--plot", nargs=2, metavar=("CHECKS_JSON", "TIMING_JSON"),
+                    help="draw committed results into --out (a PNG) and exit")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(*args.plot, args.out)
+        return 0
     cfg = SMALL if args.small else FULL
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kernel = Kernel(args.fmla_dir if dev.type == "cuda" else None)
