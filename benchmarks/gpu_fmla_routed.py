@@ -14,7 +14,8 @@ selections under ``torch.cuda.set_sync_debug_mode("error")``.  Timed: FlashMLA a
 vs resolve + FlashMLA at V4-Flash decode shapes, next to a pinned copy of the
 missed bytes.  Writes JSON; exits 1 on any mismatch.
 
-    python benchmarks/gpu_fmla_routed.py --out benchmarks/results/x.json      # H200
+    CORRECTNESS=0 TESTS=0 COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh   # H200
+    python benchmarks/gpu_fmla_routed.py --out benchmarks/results/x.json      # the same
     TRITON_INTERPRET=1 python benchmarks/gpu_fmla_routed.py --small --out /tmp/x.json
 
 FlashMLA comes from vLLM 0.33.0's wheel (``_flashmla_C.abi3.so``, stable torch ABI)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM 0.33.0's FlashMLA (stable torch ABI, loads on other torch releases) in an ignored
-# folder, for benchmarks/gpu_fmla_routed.py on a GPU machine without vLLM:
+# folder, for scripts/gpu_check.sh (benchmarks/gpu_fmla_routed.py) on a GPU machine without vLLM:
 #   bash scripts/fetch_flashmla.sh [DIR]        (default .fmla; ~4 MB of the 336 MB wheel)
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"

@@ -320,8 +320,11 @@ def test_registered_under_torch_ops_C():
                              and torch.cpu._is_avx512_bf16_supported())
 
     def same(actual, eager, atol):
-        # through the dispatcher: vLLM's kernel is close to ours, ours is ours
-        _close(actual, eager, atol=atol if from_vllm else 0)
+        # through the dispatcher: vLLM's kernel is close to ours (bf16 results within one
+        # bf16 step: its kernel sums in another order, with AMX where the CPU has it),
+        # ours is ours
+        rtol = 2**-7 if from_vllm and actual.dtype == torch.bfloat16 else 0.0
+        _close(actual, eager, atol=atol if from_vllm else 0, rtol=rtol)
 
     g = _gen(15)
     w = torch.randn(2, 32, 64, generator=g).to(torch.bfloat16)

@@ -53,57 +53,52 @@ def _cpu_attn_kv_dtype(kv_cache_dtype: str | None) -> str | None:
     return "auto" if kv_cache_dtype in _MLA_ONLY_CACHE_DTYPES else kv_cache_dtype
 
 
-def _patch_layer(layer_cls, backend_cls) -> None:
-    orig_init = layer_cls.__init__
-    if getattr(orig_init, _MARK, False):
+def _wrap_once(owner, attr: str, make) -> None:
+    """``owner.attr = make(original)``, unless the mark says it is ours already."""
+    orig = getattr(owner, attr)
+    if getattr(orig, _MARK, False):
         return
+    wrapped = functools.wraps(orig)(make(orig))
+    setattr(wrapped, _MARK, True)
+    setattr(owner, attr, wrapped)
 
-    @functools.wraps(orig_init)
-    def layer_init(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
-        backend = getattr(self, "attn_backend", None)
-        if (self.kv_cache_dtype in _MLA_ONLY_CACHE_DTYPES and backend is not None
-                and issubclass(backend, backend_cls)):
-            for obj, attr in ((self, "kv_cache_torch_dtype"), (self.impl, "is_fp8_kv_cache")):
-                if not hasattr(obj, attr):
-                    raise fail(f"{type(obj).__name__}.{attr}", "is not set by __init__")
-            # get_kv_cache_spec reads kv_cache_torch_dtype (page size, view dtype);
-            # the impl passes kv_cache_dtype to the kernels.
-            self.kv_cache_dtype = "auto"
-            self.kv_cache_torch_dtype = self.dtype
-            self.impl.kv_cache_dtype = "auto"
-            self.impl.is_fp8_kv_cache = False
 
-    setattr(layer_init, _MARK, True)
-    layer_cls.__init__ = layer_init
+def _patch_layer(layer_cls, backend_cls) -> None:
+    def make(orig_init):
+        def layer_init(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            backend = getattr(self, "attn_backend", None)
+            if (self.kv_cache_dtype in _MLA_ONLY_CACHE_DTYPES and backend is not None
+                    and issubclass(backend, backend_cls)):
+                for obj, attr in ((self, "kv_cache_torch_dtype"), (self.impl, "is_fp8_kv_cache")):
+                    if not hasattr(obj, attr):
+                        raise fail(f"{type(obj).__name__}.{attr}", "is not set by __init__")
+                # get_kv_cache_spec reads kv_cache_torch_dtype (page size, view dtype);
+                # the impl passes kv_cache_dtype to the kernels.
+                self.kv_cache_dtype = "auto"
+                self.kv_cache_torch_dtype = self.dtype
+                self.impl.kv_cache_dtype = "auto"
+                self.impl.is_fp8_kv_cache = False
+        return layer_init
+
+    _wrap_once(layer_cls, "__init__", make)
 
 
 def _patch_isa(cpu_attn) -> None:
-    orig_isa = cpu_attn._get_attn_isa
-    if getattr(orig_isa, _MARK, False):
-        return
-
     # Read by the builder's __init__ before any wrapper of it could step in.
-    @functools.wraps(orig_isa)
-    def get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None):
-        return orig_isa(dtype, block_size, head_size, _cpu_attn_kv_dtype(kv_cache_dtype))
-
-    setattr(get_attn_isa, _MARK, True)
-    cpu_attn._get_attn_isa = get_attn_isa
+    _wrap_once(cpu_attn, "_get_attn_isa", lambda orig_isa: (
+        lambda dtype, block_size, head_size=None, kv_cache_dtype=None:
+        orig_isa(dtype, block_size, head_size, _cpu_attn_kv_dtype(kv_cache_dtype))))
 
 
 def _patch_builder(builder_cls) -> None:
-    orig_init = builder_cls.__init__
-    if getattr(orig_init, _MARK, False):
-        return
+    def make(orig_init):
+        def builder_init(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            self.kv_cache_dtype = _cpu_attn_kv_dtype(self.kv_cache_dtype)
+        return builder_init
 
-    @functools.wraps(orig_init)
-    def builder_init(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
-        self.kv_cache_dtype = _cpu_attn_kv_dtype(self.kv_cache_dtype)
-
-    setattr(builder_init, _MARK, True)
-    builder_cls.__init__ = builder_init
+    _wrap_once(builder_cls, "__init__", make)
 
 
 def apply() -> None:
