@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_hierarchy_step import selections  # noqa: E402
 
 from vllm_dhisparse.flashmla import layout as L  # noqa: E402
+from vllm_dhisparse.flashmla import routing as R  # noqa: E402
 from vllm_dhisparse.flashmla.reference import sparse_decode  # noqa: E402
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
 
@@ -48,9 +49,11 @@ HEADS, SWA_TOPK, SWA_BLOCKS = 64, 128, 8
 POOL_VIEW = "one_block"  # main() switches to "page_major_copy" if FlashMLA refuses it
 SCALE = 512 ** -0.5
 FULL = dict(top_k=512, hot=2048, history=2048, time_history=16384, batches=(1, 8, 64, 512), queries=(1, 2, 4),
-            misses=(0.0, 0.05, 0.30), steps=6, graph_batch=64, time_batch=512, replays=8)
+            misses=(0.0, 0.05, 0.30), steps=6, graph_batch=64, time_batch=512, replays=8,
+            routing_batch=64, routing_queries=2)
 SMALL = dict(top_k=16, hot=64, history=200, time_history=400, batches=(1, 3), queries=(1, 2),
-             misses=(0.0, 0.3), steps=4, graph_batch=0, time_batch=0, replays=0)
+             misses=(0.0, 0.3), steps=5, graph_batch=0, time_batch=0, replays=0,
+             routing_batch=3, routing_queries=2)
 
 
 class Kernel:
@@ -159,30 +162,33 @@ class World:
                  torch.arange(rows.num_rows, device=self.dev), torch.cat([data, scales], 1))
         return L.block_view(copy, pages)
 
-    def draw(self, k_q: int, miss: float, step: int):
+    def draw(self, k_q: int, miss: float, step: int, batch: list[int] | None = None):
         """Top-k per query [n, k_q, k] int32 (-1 beyond each query's length) and lengths
-        [n * k_q] int32."""
+        [n * k_q] int32, for the requests at ``batch`` (default all: n of them)."""
+        batch = list(range(self.n)) if batch is None else batch
+        n = len(batch)
         st = self.h.source("c4a").state
-        ready = (st.page_table[[st.req_slot(r) for r in self.ids]] >= 0).cpu()
+        ready = (st.page_table[[st.req_slot(self.ids[i]) for i in batch]] >= 0).cpu()
         plan = (ready, L.ROWS_PER_BLOCK, 12345 + step // 3)  # working set changes every 3
-        n_rows = min(self.lens)
+        n_rows = min(self.lens[i] for i in batch)
         sel = torch.stack([selections(self.cfg, plan, n_rows, miss, step * 8 + j, self.dev)[:, 0]
                            for j in range(k_q)], dim=1)  # [n, k_q, k]
         k = sel.shape[-1]
         g = torch.Generator().manual_seed(step)
-        lens = torch.randint(k - k // 8, k + 1, (self.n * k_q,), generator=g).to(torch.int32)
+        lens = torch.randint(k - k // 8, k + 1, (n * k_q,), generator=g).to(torch.int32)
         lens[0] = k  # one full row
-        cut = torch.arange(k) >= lens.view(self.n, k_q, 1)
+        cut = torch.arange(k) >= lens.view(n, k_q, 1)
         sel = sel.masked_fill(cut.to(sel.device), -1)
         return sel, lens.to(self.dev)
 
-    def append(self):
-        """One decoded row per request, in both arms."""
-        rows = torch.stack([self.truth[i, self.lens[i]] for i in range(self.n)])
-        for i in range(self.n):
-            self.write_blocks(i, self.lens[i], rows[i:i + 1])
+    def append(self, batch: list[int] | None = None):
+        """One decoded row per request (of ``batch``, default all), in both arms."""
+        batch = list(range(self.n)) if batch is None else batch
+        rows = torch.stack([self.truth[i, self.lens[i]] for i in batch])
+        for j, i in enumerate(batch):
+            self.write_blocks(i, self.lens[i], rows[j:j + 1])
             self.lens[i] += 1
-        failed = self.h.append_batch("c4a", self.ids, rows)
+        failed = self.h.append_batch("c4a", [self.ids[i] for i in batch], rows)
         assert not failed, failed
 
     def replace(self, i: int, seed: int) -> None:
@@ -333,6 +339,89 @@ def graph_case(kernel, cfg, dev) -> dict:
     return res
 
 
+def routing_case(kernel, cfg, dev) -> dict:
+    """The routed decode driven by vLLM's own decode metadata, as a FULL decode graph
+    sees it: request slots found on the device (``flashmla/routing.py``) from the block
+    table, ``seq_lens``, ``token_to_req_indices``, ``is_valid_token`` and a
+    ``slot_by_block`` table written before each step; graph padding rows; between steps
+    appends, a request replaced by a new one and a request that finishes (its row becomes
+    padding).  On CUDA the routing, resolve and FlashMLA (its schedule planner too) are
+    captured once and replayed under sync-debug "error"; on a CPU they run eagerly."""
+    n, k_q, miss = cfg["routing_batch"], cfg["routing_queries"], 0.05
+    w = World(cfg, n, miss, dev, seed=777)
+    rows, k, ps = n + 2, cfg["top_k"], L.ROWS_PER_BLOCK  # two graph padding rows
+    t = rows * k_q
+    block_tokens = ps * 4  # 256 tokens of 4-token c4a rows per block
+    i32 = dict(dtype=torch.int32, device=dev)
+    block_table = torch.zeros(rows, w.block_table.shape[1], **i32)
+    block_table[:n] = w.block_table
+    seq_lens = torch.zeros(rows, **i32)
+    token_to_req = torch.arange(rows, device=dev).repeat_interleave(k_q).to(torch.int32)
+    is_valid = torch.zeros(t, dtype=torch.bool, device=dev)
+    local = torch.full((t, k), -1, **i32)
+    slot_by_block = torch.full((w.blocks.numel() // L.BLOCK_STRIDE,), -1, **i32)
+    q_buf = torch.zeros(t, 1, HEADS, 512, dtype=torch.bfloat16, device=dev)
+    _, swa, swa_idx0, swa_len0 = w.inputs(1, 0)
+    swa_idx = swa_idx0[:1].expand(t, 1, SWA_TOPK).contiguous()
+    swa_len = swa_len0[:1].expand(t).contiguous()
+
+    def routed():
+        slots = R.token_req_slots(slot_by_block, block_table, seq_lens, token_to_req,
+                                  is_valid, block_tokens)
+        sel, req_slots = R.group_queries(local, slots, k_q)
+        loc, counters = w.h.resolve_req_slots("c4a", req_slots, sel)
+        out, lse = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.pool_view(),
+                          loc.view(t, 1, k), R.topk_lengths(local, is_valid))
+        return out, lse, counters
+
+    graph = None
+    live = list(range(n))
+    res = dict(batch=n, queries=k_q, padding_rows=rows - n, steps=[], passed=True)
+    for step in range(cfg["steps"]):
+        if step == 2:
+            w.replace(0, seed=4343)  # a new request in the batch row of a finished one
+        if step == 3 and n > 1:
+            w.h.finish(w.ids[n - 1])  # its row is padding from now on
+            live.remove(n - 1)
+        sel, _ = w.draw(k_q, miss, step, live)
+        valid = torch.zeros(rows, dtype=torch.bool, device=dev)
+        valid[live] = True
+        # the metadata vLLM would hand the step (written in place: a graph reads these)
+        seq_lens.zero_()
+        seq_lens[live] = torch.tensor([w.lens[i] * 4 + 1 for i in live], **i32)
+        local.fill_(-1)
+        local.view(rows, k_q, k)[live] = sel
+        is_valid.copy_(valid.repeat_interleave(k_q))
+        newest = block_table[live, (seq_lens[live].long() - 1) // block_tokens]
+        R.write_slot_by_block(slot_by_block, newest, torch.tensor(
+            [w.h.req_slot_of("c4a", w.ids[i]) for i in live], dtype=torch.int32))
+        q_buf.copy_(w.inputs(k_q, step)[0][:n * k_q].repeat(2, 1, 1, 1)[:t])
+        if dev.type == "cuda":
+            if graph is None:
+                graph, (out, lse, counters) = capture(routed)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                graph.replay()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        else:
+            out, lse, counters = routed()
+        lens = R.topk_lengths(local, is_valid)
+        o_v, l_v = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.resident_view(),
+                          L.global_indices(block_table, token_to_req, local).view(t, 1, k), lens)
+        c = counters.sum(0).tolist()
+        # padding rows read and count nothing
+        ok = (torch.equal(out, o_v) and equal(lse, l_v)
+              and int(counters[~valid].abs().sum()) == 0)
+        res["steps"].append(dict(equal=ok, live=len(live), direct=c[0], hot=c[1], host=c[2],
+                                 fetched=c[3], invalid=c[5]))
+        res["passed"] &= ok and c[4] == 0 and c[5] == 0
+        w.append(live)
+        w.h.step()
+    return res
+
+
 def cuda_ms(fn, reps: int = 20) -> float:
     for _ in range(3):
         fn()
@@ -474,8 +563,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fmla-dir", default=str(ROOT / ".fmla"),
                     help="folder holding vLLM 0.33's vllm/_flashmla_C.abi3.so and "
                          "vllm/third_party/flashmla (ignored without CUDA)")
-    ap.add_argument("--parts", default="checks,graph,timing",
-                    help="comma-separated: checks (routed vs resident cases), graph, timing")
+    ap.add_argument("--parts", default="checks,routing,graph,timing",
+                    help="comma-separated: checks (routed vs resident cases), routing (from "
+                         "vLLM's decode metadata, graph-captured on CUDA), graph, timing")
     ap.add_argument("--commit", default=None, help="commit recorded in the JSON (default: git's)")
     ap.add_argument("--plot", nargs=2, metavar=("CHECKS_JSON", "TIMING_JSON"),
                     help="draw committed results into --out (a PNG) and exit")
@@ -514,6 +604,13 @@ def main(argv=None) -> int:
                 out["cases"].append(r)
                 print(f"N={n:4d} Kq={k_q} miss={miss:.2f}: {'ok' if r['passed'] else 'FAIL'} "
                       f"host share {r['host_share']:.3f}", flush=True)
+    if "routing" in parts:
+        try:
+            out["routing"] = routing_case(kernel, cfg, dev)
+        except Exception as e:  # noqa: BLE001
+            out["routing"] = dict(passed=False, error=repr(e)[:2000])
+        ok &= out["routing"]["passed"]
+        print("routing:", out["routing"], flush=True)
     for key, fn, cond in (("graph", graph_case, cfg["graph_batch"]),
                           ("timing", time_case, cfg["time_batch"])):
         if kernel.fmla is None or not cond or key not in parts:

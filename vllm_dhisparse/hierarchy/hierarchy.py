@@ -265,6 +265,20 @@ class KVHierarchy:
                                                parts.resolver.staging_columns(n_queries, top_k))
         return parts.resolver.resolve(req_ids, selections, staging_rows, validate=False)
 
+    def resolve_req_slots(self, source: str, req_slots: torch.Tensor,
+                          selections: torch.Tensor, staging_rows: torch.Tensor | None = None):
+        """``resolve`` with the batch rows' request slots on the device ([N] int32, -1 for
+        a padding row), as device-side routing finds them (``req_slot_of`` maps request
+        ids to slots outside the step): capturable in a CUDA graph.  Without overflow
+        staging unless ``staging_rows`` are given.  # ([N, K, k] int32, [N, 6] int32)"""
+        return self.source(source).resolver.resolve_req_slots(req_slots, selections,
+                                                              staging_rows)
+
+    def req_slot_of(self, source: str, req_id: str) -> int:
+        """The request slot of ``req_id`` in ``source`` (its row of the source's tables)."""
+        self._require(req_id)
+        return self.source(source).state.req_slot(req_id)
+
     def step(self) -> None:
         """Between decode steps: complete copies, back up full tail pages, repopulate.
 

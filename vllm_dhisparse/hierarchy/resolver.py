@@ -149,6 +149,21 @@ class Resolver:
             req_slots = self.validate(req_ids, selections)
         else:
             req_slots = src.req_slot_tensor(req_ids)
+        return self.resolve_req_slots(req_slots, selections, staging_rows)
+
+    def resolve_req_slots(self, req_slots: torch.Tensor, selections: torch.Tensor,
+                          staging_rows: torch.Tensor | None = None):
+        """``resolve`` for batch rows given as request slots on the device (req_slots [N]
+        int32; -1: a padding row, which reads and changes nothing and gets locations -1):
+        no host read, so a CUDA graph can capture it while the slots change between
+        replays.  Selections are not validated (see ``resolve``).  Only the tensors'
+        shapes are checked here.  # ([N, K, k] int32, [N, 6] int32)"""
+        src = self.source
+        if (selections.dim() != 3 or req_slots.shape != selections.shape[:1]
+                or req_slots.dtype != torch.int32):
+            raise ValueError(f"req_slots must be int32 [N] for selections [N, K, k]; got "
+                             f"{req_slots.dtype} {tuple(req_slots.shape)} and "
+                             f"{tuple(selections.shape)}")
         n, n_queries, top_k = selections.shape
         need = self.staging_columns(n_queries, top_k)
         if staging_rows is None:
