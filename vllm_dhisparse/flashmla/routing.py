@@ -61,4 +61,6 @@ def group_queries(local: torch.Tensor, token_slots: torch.Tensor, queries: int):
     t, k = local.shape
     if t % queries:
         raise ValueError(f"{t} decode tokens do not split into groups of {queries} queries")
-    return local.view(t // queries, queries, k), token_slots.view(t // queries, queries)[:, 0]
+    # the resolver reads request slots as a contiguous [N] tensor
+    return (local.view(t // queries, queries, k),
+            token_slots.view(t // queries, queries)[:, 0].contiguous())
