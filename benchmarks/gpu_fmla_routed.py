@@ -345,8 +345,9 @@ def routing_case(kernel, cfg, dev) -> dict:
     table, ``seq_lens``, ``token_to_req_indices``, ``is_valid_token`` and a
     ``slot_by_block`` table written before each step; graph padding rows; between steps
     appends, a request replaced by a new one and a request that finishes (its row becomes
-    padding).  On CUDA the routing, resolve and FlashMLA (its schedule planner too) are
-    captured once and replayed under sync-debug "error"; on a CPU they run eagerly."""
+    padding).  On CUDA the routing and resolve are captured once and replayed under
+    sync-debug "error" (FlashMLA follows eagerly: its planner reads the step's lengths;
+    graph_case replays FlashMLA itself); on a CPU they run eagerly."""
     n, k_q, miss = cfg["routing_batch"], cfg["routing_queries"], 0.05
     w = World(cfg, n, miss, dev, seed=777)
     rows, k, ps = n + 2, cfg["top_k"], L.ROWS_PER_BLOCK  # two graph padding rows
@@ -370,9 +371,7 @@ def routing_case(kernel, cfg, dev) -> dict:
                                   is_valid, block_tokens)
         sel, req_slots = R.group_queries(local, slots, k_q)
         loc, counters = w.h.resolve_req_slots("c4a", req_slots, sel)
-        out, lse = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.pool_view(),
-                          loc.view(t, 1, k), R.topk_lengths(local, is_valid))
-        return out, lse, counters
+        return loc, counters
 
     graph = None
     live = list(range(n))
@@ -398,7 +397,7 @@ def routing_case(kernel, cfg, dev) -> dict:
         q_buf.copy_(w.inputs(k_q, step)[0][:n * k_q].repeat(2, 1, 1, 1)[:t])
         if dev.type == "cuda":
             if graph is None:
-                graph, (out, lse, counters) = capture(routed)
+                graph, (loc, counters) = capture(routed)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -406,8 +405,12 @@ def routing_case(kernel, cfg, dev) -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         else:
-            out, lse, counters = routed()
+            loc, counters = routed()
         lens = R.topk_lengths(local, is_valid)
+        # FlashMLA after the replay, planned for this step's lengths (its planner copies
+        # from the host: vLLM plans the schedule outside the captured forward)
+        out, lse = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.pool_view(),
+                          loc.view(t, 1, k), lens)
         o_v, l_v = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.resident_view(),
                           L.global_indices(block_table, token_to_req, local).view(t, 1, k), lens)
         c = counters.sum(0).tolist()
