@@ -20,6 +20,9 @@ from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FET
 from .devices import same_device
 from .source_state import SourceState
 
+# verification totals read the host and fetched columns as one slice
+assert COUNTER_FETCHED == COUNTER_HOST + 1
+
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -190,7 +193,9 @@ class Resolver:
         per_call = counters.sum(0, dtype=torch.int64)
         self._totals += per_call
         if n_queries > 1:
-            self._verify += per_call[[COUNTER_HOST, COUNTER_FETCHED]]
+            # a slice, not a list index (which copies its index from the host: a graph
+            # capture of a verification step refuses that)
+            self._verify += per_call[COUNTER_HOST:COUNTER_FETCHED + 1]
         self._calls += 1
         return locations, counters
 
