@@ -346,7 +346,7 @@ def routing_case(kernel, cfg, dev) -> dict:
     ``slot_by_block`` table written before each step; graph padding rows; between steps
     appends, a request replaced by a new one and a request that finishes (its row becomes
     padding).  On CUDA the routing and resolve are captured once and replayed under
-    sync-debug "error" (FlashMLA follows eagerly: its planner reads the step's lengths;
+    sync-debug "error" (FlashMLA follows eagerly, planned for the step's lengths;
     graph_case replays FlashMLA itself); on a CPU they run eagerly."""
     n, k_q, miss = cfg["routing_batch"], cfg["routing_queries"], 0.05
     w = World(cfg, n, miss, dev, seed=777)
@@ -407,8 +407,8 @@ def routing_case(kernel, cfg, dev) -> dict:
         else:
             loc, counters = routed()
         lens = R.topk_lengths(local, is_valid)
-        # FlashMLA after the replay, planned for this step's lengths (its planner copies
-        # from the host: vLLM plans the schedule outside the captured forward)
+        # FlashMLA after the replay, with a schedule planned for this step's lengths
+        # (graph_case replays FlashMLA itself, on a schedule planned once)
         out, lse = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.pool_view(),
                           loc.view(t, 1, k), lens)
         o_v, l_v = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.resident_view(),
