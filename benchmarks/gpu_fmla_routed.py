@@ -394,7 +394,8 @@ def routing_case(kernel, cfg, dev) -> dict:
         newest = block_table[live, (seq_lens[live].long() - 1) // block_tokens]
         R.write_slot_by_block(slot_by_block, newest, torch.tensor(
             [w.h.req_slot_of("c4a", w.ids[i]) for i in live], dtype=torch.int32))
-        q_buf.copy_(w.inputs(k_q, step)[0][:n * k_q].repeat(2, 1, 1, 1)[:t])
+        q_buf.zero_()  # padding tokens' queries
+        q_buf[:n * k_q] = w.inputs(k_q, step)[0]
         if dev.type == "cuda":
             if graph is None:
                 graph, (loc, counters) = capture(routed)

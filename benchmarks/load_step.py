@@ -45,7 +45,7 @@ def run_arm(args) -> dict:
                  device_pool_pages=args.device_pool_pages,
                  repopulate_pages_per_step=args.repopulate)
     llm = LLM(model=args.model, enforce_eager=True, block_size=256, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.kv_fraction, seed=0,
+              max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=args.kv_cache_bytes, seed=0,
               enable_prefix_caching=False, enable_chunked_prefill=False,
               **engine_args(extra))
     worker = get_kv_transfer_group().dhisparse_worker
@@ -166,7 +166,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repopulate", type=int, default=4)
     ap.add_argument("--max-num-seqs", type=int, default=6)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--kv-fraction", type=float, default=0.2)
+    ap.add_argument("--kv-cache-bytes", type=int, default=2 * 2**30,
+                    help="vLLM's KV memory in bytes (default 2 GiB; on CPU a fraction of RAM "
+                         "would be less the worker's resident memory, which varies by machine)")
     args = ap.parse_args(argv)
     if args.arm:
         with open(args.arm_out, "w") as f:

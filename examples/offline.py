@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     from vllm_dhisparse import engine_args
 
     engine = dict(model=args.model, max_model_len=args.max_model_len, seed=0)
-    if current_platform.is_cpu():  # KV memory is a fraction of RAM on CPU
-        engine.update(enforce_eager=True, block_size=256, gpu_memory_utilization=0.2,
+    if current_platform.is_cpu():  # KV memory in bytes: a fraction of RAM varies by machine
+        engine.update(enforce_eager=True, block_size=256, kv_cache_memory_bytes=2**30,
                       max_num_seqs=8)
     stats = os.path.join(tempfile.mkdtemp(prefix="dhisparse-offline-"), "stats.json")
     if not args.no_connector:

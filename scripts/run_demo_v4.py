@@ -34,7 +34,7 @@ def main() -> None:
         block_size=256,  # forced for V4 on CPU anyway
         max_model_len=8192,
         max_num_seqs=4,
-        gpu_memory_utilization=0.2,  # CPU: fraction of the NUMA node's RAM
+        kv_cache_memory_bytes=2**30,  # in bytes: on CPU a fraction of RAM varies by machine
         seed=0,
     )
     print(f"load {time.time() - t0:.1f} s")

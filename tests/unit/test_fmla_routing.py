@@ -60,12 +60,13 @@ def test_resolve_by_request_slots_equals_resolve_by_ids_and_padding_changes_noth
     got, _ = hs[1].resolve_req_slots("s", slots, sel)
     assert torch.equal(got, want)
     st = hs[1].source("s").state
-    before = [t.clone() for t in (st.hot_pos, st.hot_loc, st.hot_stamp, st.hot_slot_of)]
+    tables = ("hot_pos", "hot_loc", "hot_stamp", "hot_clock", "hot_slot_of", "page_table")
+    before = [getattr(st, name).clone() for name in tables]
     loc, counters = hs[1].resolve_req_slots("s", torch.tensor([-1, -1], dtype=torch.int32),
                                             torch.tensor([[[11, 12, 13, 14]]] * 2, dtype=torch.int32))
     assert (loc == -1).all() and int(counters.abs().sum()) == 0
-    after = (st.hot_pos, st.hot_loc, st.hot_stamp, st.hot_slot_of)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    for name, b in zip(tables, before):
+        assert torch.equal(getattr(st, name), b), name
     with pytest.raises(ValueError, match="req_slots must be int32"):
         hs[1].resolve_req_slots("s", slots.long(), sel)
 
@@ -95,3 +96,5 @@ def test_routing_the_wrong_block_fails_the_run(tmp_path, monkeypatch):
         return torch.where(is_valid, slots, torch.full_like(slots, -1)).to(torch.int32)
     monkeypatch.setattr(G.R, "token_req_slots", first_block)
     assert G.main(["--small", "--parts", "routing", "--out", str(tmp_path / "r.json")]) == 1
+    r = json.loads((tmp_path / "r.json").read_text())["routing"]
+    assert "error" not in r and not all(s["equal"] for s in r["steps"]), r

@@ -39,6 +39,10 @@ def token_req_slots(slot_by_block: torch.Tensor, block_table: torch.Tensor,
 
     slot_by_block [num_blocks] int32; block_table [R, max_blocks] int32; seq_lens [R]
     (tokens, the newest included); token_to_req [T]; is_valid [T] bool.  # [T] int32"""
+    if block_table.shape[0] != seq_lens.shape[0] or token_to_req.shape != is_valid.shape:
+        raise ValueError(f"block_table {tuple(block_table.shape)} needs a row per seq_lens "
+                         f"{tuple(seq_lens.shape)}, token_to_req {tuple(token_to_req.shape)} "
+                         f"an entry per is_valid {tuple(is_valid.shape)}")
     newest = ((seq_lens.long() - 1).clamp(min=0) // block_tokens).view(-1, 1)  # [R, 1]
     blocks = torch.gather(block_table.long(), 1, newest).view(-1)  # [R]
     per_req = slot_by_block[blocks]  # [R]

@@ -267,8 +267,8 @@ class KVHierarchy:
 
     def resolve_req_slots(self, source: str, req_slots: torch.Tensor,
                           selections: torch.Tensor, staging_rows: torch.Tensor | None = None):
-        """``resolve`` with the batch rows' request slots on the device ([N] int32, -1 for
-        a padding row), as device-side routing finds them (``req_slot_of`` maps request
+        """``resolve`` with the batch rows' request slots on the device ([N] int32, distinct
+        apart from -1 for a padding row; not checked), as device-side routing finds them (``req_slot_of`` maps request
         ids to slots outside the step): capturable in a CUDA graph.  Without overflow
         staging unless ``staging_rows`` are given.  # ([N, K, k] int32, [N, 6] int32)"""
         return self.source(source).resolver.resolve_req_slots(req_slots, selections,

@@ -157,7 +157,8 @@ class Resolver:
     def resolve_req_slots(self, req_slots: torch.Tensor, selections: torch.Tensor,
                           staging_rows: torch.Tensor | None = None):
         """``resolve`` for batch rows given as request slots on the device (req_slots [N]
-        int32; -1: a padding row, which reads and changes nothing and gets locations -1):
+        int32, distinct apart from -1, which is a padding row: it reads and changes
+        nothing and gets locations -1; nothing checks distinctness here):
         no host read, so a CUDA graph can capture it while the slots change between
         replays.  Selections are not validated (see ``resolve``).  Only the tensors'
         shapes are checked here.  # ([N, K, k] int32, [N, 6] int32)"""

@@ -1,8 +1,8 @@
 """One step's routing plan: which tokens of vLLM's batch the hierarchy serves, and whose.
 
-The attention hook (deepseek_v4.py) asks once per layer; the plan for a KV
-cache group's block tables is built on the first ask of a step and reused by
-every later layer of that group.  A batch row belongs to an admitted request
+The routed attention layer (cpu_attention.py, through the step context) asks
+once per layer; the plan for a KV cache group's block tables is built on the
+first ask of a step and reused by every later layer of that group.  A batch row belongs to an admitted request
 when it holds that request's newest token in its block table: that block is
 live (never behind the device window), so it belongs to one running request
 only, whereas a request's first blocks may have been freed and handed to

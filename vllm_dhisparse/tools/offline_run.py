@@ -38,7 +38,7 @@ def build_llm(args, stats_file: str | None):
     # both arms alike; prefix caching and chunked prefill only when asked for
     kw = dict(model=args.model, enforce_eager=True, block_size=256,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.kv_fraction, seed=0,
+              seed=0,
               enable_prefix_caching=args.prefix_caching,
               enable_chunked_prefill=bool(args.chunk_tokens))
     if args.chunk_tokens:
@@ -48,7 +48,9 @@ def build_llm(args, stats_file: str | None):
         # them gets them (both arms alike), or fails
         from vllm_dhisparse.compat.cpu_scheduling import force
         force(args.prefix_caching, args.chunk_tokens)
-    if args.kv_cache_bytes:
+    if args.kv_fraction:
+        kw.update(gpu_memory_utilization=args.kv_fraction)
+    elif args.kv_cache_bytes:
         # vLLM's KV pool in bytes (all groups share one pool of equal-size blocks)
         kw.update(kv_cache_memory_bytes=args.kv_cache_bytes)
     if args.num_gpu_blocks:
@@ -269,13 +271,15 @@ def main(argv=None) -> int:
                     help="prompts repeat a short motif so ngram drafts get accepted")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--kv-fraction", type=float, default=0.2,
-                    help="gpu_memory_utilization (on CPU: share of RAM for KV)")
+    ap.add_argument("--kv-fraction", type=float, default=0.0,
+                    help="gpu_memory_utilization instead of --kv-cache-bytes (on CPU: a share "
+                         "of RAM less the worker's resident memory, which varies by machine)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-cache-bytes", type=int, default=0,
-                    help="vLLM KV pool size in bytes (kv_cache_memory_bytes); 0 = from --kv-fraction")
+    ap.add_argument("--kv-cache-bytes", type=int, default=2 * 2**30,
+                    help="vLLM KV pool size in bytes (kv_cache_memory_bytes; default 2 GiB); "
+                         "ignored when --kv-fraction is given")
     ap.add_argument("--num-gpu-blocks", type=int, default=0,
-                    help="vLLM KV pool size in blocks (num_gpu_blocks_override); 0 = from --kv-fraction")
+                    help="vLLM KV pool size in blocks (num_gpu_blocks_override); 0 = from the bytes")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="vLLM prefix caching on (forced on where the platform turns it off)")
     ap.add_argument("--chunk-tokens", type=int, default=0,
