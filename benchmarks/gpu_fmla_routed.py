@@ -46,7 +46,6 @@ from vllm_dhisparse.flashmla.reference import sparse_decode  # noqa: E402
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
 
 HEADS, SWA_TOPK, SWA_BLOCKS = 64, 128, 8
-POOL_VIEW = "one_block"  # main() switches to "page_major_copy" if FlashMLA refuses it
 SCALE = 512 ** -0.5
 FULL = dict(top_k=512, hot=2048, history=2048, time_history=16384, batches=(1, 8, 64, 512), queries=(1, 2, 4),
             misses=(0.0, 0.05, 0.30), steps=6, graph_batch=64, time_batch=512, replays=8,
@@ -148,19 +147,9 @@ class World:
         self.put(self.blocks_2d, slots, rows)
 
     def pool_view(self):
-        """The hierarchy's device rows as FlashMLA reads them: in place as one block, or
-        (``POOL_VIEW = "page_major_copy"``) copied into 64-row blocks with the same row
-        numbers, where FlashMLA refuses a block of R rows."""
+        """The hierarchy's device rows as FlashMLA reads them: in place, as one block."""
         rows = self.h.source("c4a").pool.device_rows
-        if POOL_VIEW == "one_block":
-            return L.one_block_view(rows.storage, rows.num_rows)
-        pages = -(-rows.num_rows // L.ROWS_PER_BLOCK)
-        copy = torch.zeros(pages * L.BLOCK_STRIDE, dtype=torch.uint8, device=self.dev)
-        data = rows.storage[:rows.num_rows * L.DATA_BYTES].view(rows.num_rows, L.DATA_BYTES)
-        scales = rows.storage[rows.num_rows * L.DATA_BYTES:].view(rows.num_rows, L.SCALE_BYTES)
-        self.put(L.as_blocks_2d(L.block_view(copy, pages)),
-                 torch.arange(rows.num_rows, device=self.dev), torch.cat([data, scales], 1))
-        return L.block_view(copy, pages)
+        return L.one_block_view(rows.storage, rows.num_rows)
 
     def draw(self, k_q: int, miss: float, step: int, batch: list[int] | None = None):
         """Top-k per query [n, k_q, k] int32 (-1 beyond each query's length) and lengths
@@ -216,21 +205,6 @@ class World:
 
     def resident_view(self):
         return L.block_view(self.blocks, self.blocks.numel() // L.BLOCK_STRIDE)
-
-
-def probe_one_block(kernel, cfg, dev) -> str | None:
-    """Whether the kernel reads the hierarchy's rows in place as one block of R rows
-    (None) or refuses (its error)."""
-    w = World(dict(cfg, steps=1), 2, 0.0, dev, seed=1)
-    sel, lens = w.draw(1, 0.0, 0)
-    loc, _ = w.h.resolve("c4a", w.ids, sel)
-    try:
-        kernel(*w.inputs(1, 0), w.sink, w.pool_view(), loc.view(2, 1, -1), lens)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001  (recorded in the JSON)
-        return repr(e)[:2000]
-    return None
 
 
 def equal(a, b) -> bool:
@@ -293,6 +267,17 @@ def capture(fn):
     return graph, result
 
 
+def replay_without_syncs(graph) -> None:
+    """Replays ``graph`` with torch's sync debug mode at "error": a synchronising call
+    in the replayed work raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def graph_case(kernel, cfg, dev) -> dict:
     """resolve + routed FlashMLA in one CUDA graph, replayed over changing selections
     (fixed lengths: FlashMLA's tile schedule is planned for them)."""
@@ -324,12 +309,7 @@ def graph_case(kernel, cfg, dev) -> dict:
         q, _, _, _ = w.inputs(k_q, r + 1)
         sel_buf.copy_(sel)
         q_buf.copy_(q)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        replay_without_syncs(graph)
         o_v, l_v = kernel(q, swa, swa_idx, swa_len, w.sink, w.resident_view(),
                           w.resident_indices(sel), lens)
         ok = torch.equal(out, o_v) and torch.equal(lse, l_v)
@@ -399,12 +379,7 @@ def routing_case(kernel, cfg, dev) -> dict:
         if dev.type == "cuda":
             if graph is None:
                 graph, (loc, counters) = capture(routed)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                graph.replay()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            replay_without_syncs(graph)
         else:
             loc, counters = routed()
         lens = R.topk_lengths(local, is_valid)
@@ -519,7 +494,7 @@ def time_case(kernel, cfg, dev) -> dict:
     devbuf = torch.empty_like(host, device=dev)
     copy_ms = cuda_ms(lambda: devbuf.copy_(host, non_blocking=True))
     overhead = graph_routed_ms - graph_resident_ms
-    return dict(batch=n, pool_view=POOL_VIEW, fmla_ms=fmla_ms, fmla_routed_view_ms=fmla_routed_ms,
+    return dict(batch=n, fmla_ms=fmla_ms, fmla_routed_view_ms=fmla_routed_ms,
                 routed_ms=routed_ms, resolve_ms=resolve_ms,
                 graph_resident_ms=graph_resident_ms, graph_routed_ms=graph_routed_ms,
                 routing_overhead_ms=overhead, miss_rows_per_step=miss_rows,
@@ -588,13 +563,6 @@ def main(argv=None) -> int:
                config=cfg, parts=args.parts, cases=[])
     t0 = time.time()
     ok = True
-    global POOL_VIEW
-    err = probe_one_block(kernel, cfg, dev)
-    if err is not None:
-        out["one_block_error"] = err
-        print("one-block view refused:", err, flush=True)
-        POOL_VIEW = "page_major_copy"
-    out["pool_view"] = POOL_VIEW
     parts = set(args.parts.split(","))
     for n in cfg["batches"] if "checks" in parts else ():
         for k_q in cfg["queries"]:

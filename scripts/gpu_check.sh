@@ -8,7 +8,7 @@
 #   3. benchmarks/gpu_correctness.py: all 18 configurations in one results file;
 #   4. with vLLM 0.33's FlashMLA in .fmla (bash scripts/fetch_flashmla.sh, carried to the
 #      machine): benchmarks/gpu_fmla_routed.py, the DeepSeek-V4 c4a decode routed through
-#      KVHierarchy against FlashMLA on vLLM's blocks (FMLA_PARTS: checks,graph,timing).
+#      KVHierarchy against FlashMLA on vLLM's blocks (FMLA_PARTS: checks,routing,graph,timing).
 # Steps 1-3 run unless TESTS=0 / CORRECTNESS=0.
 # Logs and the results file go to $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh            (OUT=/tmp/gpu_check by default)
@@ -57,7 +57,7 @@ fi
 fmla_rc=skipped
 if [ -f .fmla/vllm/_flashmla_C.abi3.so ]; then
     timeout "${FMLA_TIMEOUT:-400}" python3 benchmarks/gpu_fmla_routed.py --fmla-dir .fmla \
-        --parts "${FMLA_PARTS:-checks,graph,timing}" ${COMMIT:+--commit "$COMMIT"} \
+        --parts "${FMLA_PARTS:-checks,routing,graph,timing}" ${COMMIT:+--commit "$COMMIT"} \
         --out "$OUT/gpu_fmla_routed.json" 2>&1 | tee "$OUT/gpu_fmla_routed.log" | tail -45
     fmla_rc=${PIPESTATUS[0]}
 fi
