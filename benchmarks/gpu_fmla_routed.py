@@ -94,7 +94,7 @@ class World:
     """n requests' c4a rows twice: in vLLM's blocks and in a KVHierarchy."""
 
     def __init__(self, cfg: dict, n: int, miss: float, dev, seed: int,
-                 resident: float | None = None):
+                 resident: float | None = None, staging: dict | None = None):
         self.cfg, self.n, self.dev = cfg, n, dev
         self.g = torch.Generator(device=dev).manual_seed(seed)
         hist, ps = cfg["history"], L.ROWS_PER_BLOCK
@@ -119,7 +119,7 @@ class World:
                     device_pages=n * (hot_pages + 2) + optional, host_rows=n * self.max_rows,
                     hot_cache_rows=cfg["hot"], tail_pages=2, max_req_slots=n, max_rows=self.max_rows,
                     plane_bytes=(L.DATA_BYTES, L.SCALE_BYTES))
-        self.h = KVHierarchy([spec], device=dev)
+        self.h = KVHierarchy([spec], device=dev, staging=staging)
         self.ids = [f"r{i}" for i in range(n)]
         for i, rid in enumerate(self.ids):
             assert self.h.admit(rid, self.max_rows, {"c4a": self.truth[i, :self.lens[i]]})

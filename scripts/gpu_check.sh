@@ -8,7 +8,9 @@
 #   3. benchmarks/gpu_correctness.py: all 18 configurations in one results file;
 #   4. with vLLM 0.33's FlashMLA in .fmla (bash scripts/fetch_flashmla.sh, carried to the
 #      machine): benchmarks/gpu_fmla_routed.py, the DeepSeek-V4 c4a decode routed through
-#      KVHierarchy against FlashMLA on vLLM's blocks (FMLA_PARTS: checks,routing,graph,timing).
+#      KVHierarchy against FlashMLA on vLLM's blocks (FMLA_PARTS: checks,routing,graph,timing),
+#      then benchmarks/gpu_fmla_decode.py (the routed decode's locations from vLLM's decode
+#      metadata: ragged queries, rows of the step itself, padding; FMLA_DECODE=0 skips it).
 # Steps 1-3 run unless TESTS=0 / CORRECTNESS=0.
 # Logs and the results file go to $OUT (the device tool brings them back).
 #   bash scripts/gpu_check.sh            (OUT=/tmp/gpu_check by default)
@@ -60,5 +62,12 @@ if [ -f .fmla/vllm/_flashmla_C.abi3.so ]; then
         --parts "${FMLA_PARTS:-checks,routing,graph,timing}" ${COMMIT:+--commit "$COMMIT"} \
         --out "$OUT/gpu_fmla_routed.json" 2>&1 | tee "$OUT/gpu_fmla_routed.log" | tail -45
     fmla_rc=${PIPESTATUS[0]}
+    # the routed decode's locations as the FlashMLA layer computes them (flashmla/decode.py)
+    if [ "${FMLA_DECODE:-1}" = 1 ]; then
+        timeout "${FMLA_TIMEOUT:-400}" python3 benchmarks/gpu_fmla_decode.py --fmla-dir .fmla \
+            ${COMMIT:+--commit "$COMMIT"} --out "$OUT/gpu_fmla_decode.json" 2>&1 \
+            | tee "$OUT/gpu_fmla_decode.log" | tail -5
+        [ "${PIPESTATUS[0]}" = 0 ] || fmla_rc=1
+    fi
 fi
 echo "tests rc=$tests_rc correctness rc=$corr_rc fmla rc=$fmla_rc"

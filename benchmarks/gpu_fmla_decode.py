@@ -1,0 +1,182 @@
+"""The routed c4a decode as vLLM's FlashMLA layer calls it (``flashmla/decode.py``),
+held to FlashMLA on vLLM's blocks (H200; the torch reference on a CPU).
+
+One ``RoutedDecode`` per run; every step writes vLLM-shaped decode metadata into fixed
+buffers -- block table, ``seq_lens``, ``query_start_loc``, ``token_to_req_indices``,
+``is_valid_token``, the indexer's top-k -- and ``RoutedDecode.locations`` turns them
+into storage rows (captured once in a CUDA graph on CUDA and replayed under sync-debug
+"error"; eager on a CPU).  What changes between steps: 1..K_max queries per request
+(ragged), 0..2 rows the compressor wrote in the step itself (in vLLM's blocks only,
+selected by the step's queries; committed to the hierarchy after the step), graph
+padding tokens and padding rows whose block-table rows are stale copies of a live
+row's, and a request the hierarchy does not hold.  Checked per step: FlashMLA's output
+and LSE on the hierarchy's storage equal FlashMLA on vLLM's blocks bitwise for every
+token the hierarchy serves, and the counters name exactly the fresh selections and the
+unrouted tokens.  Writes JSON; exits 1 on any mismatch.
+
+    python benchmarks/gpu_fmla_decode.py --out x.json              (H200, via gpu_check.sh)
+    python benchmarks/gpu_fmla_decode.py --small --out /tmp/x.json (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_fmla_routed import HEADS, SMALL as R_SMALL, FULL as R_FULL  # noqa: E402
+from gpu_fmla_routed import Kernel, World, capture, equal, replay_without_syncs  # noqa: E402
+
+from vllm_dhisparse.flashmla import decode as D  # noqa: E402
+from vllm_dhisparse.flashmla import layout as L  # noqa: E402
+
+FULL = dict(R_FULL, batch=64, max_queries=3, fresh_rows=2)
+SMALL = dict(R_SMALL, batch=5, max_queries=3, fresh_rows=2)
+PAD_ROWS, PAD_TOKENS = 2, 3
+
+
+def decode_case(kernel, cfg, dev) -> dict:
+    n, kmax, f_max, k = cfg["batch"], cfg["max_queries"], cfg["fresh_rows"], cfg["top_k"]
+    w = World(cfg, n, 0.05, dev, seed=515, staging=dict(arenas=1, columns=f_max))
+    outsider = n - 1  # in vLLM's batch, not in the hierarchy
+    w.h.finish(w.ids[outsider])
+    routed_reqs = list(range(n - 1))
+    num_blocks = w.blocks.numel() // L.BLOCK_STRIDE
+    rd = D.RoutedDecode(w.h, "c4a", num_vllm_blocks=num_blocks, max_queries=kmax,
+                        fresh_rows=f_max, staging=w.h.staging[0].table[0])
+    rows, t = n + PAD_ROWS, n * kmax + PAD_TOKENS
+    i32 = dict(dtype=torch.int32, device=dev)
+    bufs = dict(local=torch.full((t, k), -1, **i32), token_to_req=torch.zeros(t, **i32),
+                query_start_loc=torch.zeros(rows + 1, **i32),
+                block_table=torch.zeros(rows, w.block_table.shape[1], **i32),
+                seq_lens=torch.zeros(rows, **i32),
+                is_valid=torch.zeros(t, dtype=torch.bool, device=dev))
+    cache = L.block_view(w.blocks, num_blocks)
+    q_buf = torch.zeros(t, 1, HEADS, 512, dtype=torch.bfloat16, device=dev)
+    _, swa, swa_idx0, swa_len0 = w.inputs(1, 0)
+    swa_idx = swa_idx0[:1].expand(t, 1, -1).contiguous()
+    swa_len = swa_len0[:1].expand(t).contiguous()
+
+    def routed():
+        return rd.locations(bufs["local"], bufs["token_to_req"], bufs["query_start_loc"],
+                            bufs["block_table"], bufs["seq_lens"], bufs["is_valid"], cache)
+
+    graph = None
+    res = dict(batch=n, max_queries=kmax, fresh_rows=f_max, steps=[], passed=True)
+    g = torch.Generator().manual_seed(5)
+    for step in range(cfg["steps"]):
+        queries = [1 + (i + step) % kmax for i in range(n)]
+        fresh = [(i + step) % (f_max + 1) for i in range(n)]
+        for i in range(n):  # the compressor's rows of this step: in vLLM's blocks only
+            if fresh[i]:
+                w.write_blocks(i, w.lens[i], w.truth[i, w.lens[i]:w.lens[i] + fresh[i]])
+        sel, _ = w.draw(kmax, 0.05, step, routed_reqs)  # [n-1, kmax, k] committed rows
+        out_sel = torch.randint(0, w.lens[outsider], (1, kmax, k), generator=g).to(sel)
+        sel = torch.cat([sel, out_sel])
+        local, token_to_req, qsl = [], [], [0]
+        expect_fresh = 0
+        for i in range(n):
+            for j in range(queries[i]):
+                s = sel[i, j].clone()
+                if fresh[i]:  # the last selected rows of the query: rows of this step
+                    last = int((s >= 0).sum()) - 1
+                    for m in range(min(fresh[i], last + 1)):
+                        s[last - m] = w.lens[i] + (j + m) % fresh[i]
+                    expect_fresh += min(fresh[i], last + 1) if i != outsider else 0
+                local.append(s)
+                token_to_req.append(i)
+            qsl.append(qsl[-1] + queries[i])
+        real = len(local)
+        b = bufs
+        b["local"].fill_(-1)
+        b["local"][:real] = torch.stack(local)
+        b["token_to_req"].zero_()  # padding tokens point at row 0: they must stay unrouted
+        b["token_to_req"][:real] = torch.tensor(token_to_req, **i32)
+        b["is_valid"].zero_()
+        b["is_valid"][:real] = True
+        b["query_start_loc"].fill_(real)
+        b["query_start_loc"][:n + 1] = torch.tensor(qsl, **i32)
+        b["block_table"][:n] = w.block_table
+        b["block_table"][n:] = w.block_table[0]  # stale copies of a live row
+        b["seq_lens"][:n] = torch.tensor([4 * (w.lens[i] + fresh[i]) + i % 4
+                                          for i in range(n)], **i32)
+        b["seq_lens"][n:] = b["seq_lens"][0]  # stale too: the rows have no valid token
+        live = [i for i in routed_reqs]
+        newest = b["block_table"][live, (b["seq_lens"][live].long() - 1) // 256]
+        D.R.write_slot_by_block(rd.slot_by_block, newest, torch.tensor(
+            [w.h.req_slot_of("c4a", w.ids[i]) for i in live], dtype=torch.int32))
+        q_buf.zero_()
+        q_buf[:real] = w.inputs(kmax, step)[0][:real]
+        before = rd.counters.clone()
+        if dev.type == "cuda":
+            if graph is None:
+                graph, (loc, lens) = capture(routed)
+            replay_without_syncs(graph)
+        else:
+            loc, lens = routed()
+        counters = (rd.counters - before).tolist()
+        o_r, l_r = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.pool_view(),
+                          loc.view(t, 1, k), lens)
+        o_v, l_v = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.resident_view(),
+                          L.global_indices(b["block_table"], b["token_to_req"],
+                                           b["local"]).view(t, 1, k), lens)
+        served = b["is_valid"] & (b["token_to_req"] != outsider)
+        ok = torch.equal(o_r[served], o_v[served]) and (
+            l_r is None or equal(l_r[served], l_v[served]))
+        counted = (counters[D.COUNTER_FRESH] == expect_fresh
+                   and counters[D.COUNTER_UNROUTED] == queries[outsider]
+                   and counters[D.COUNTER_FRESH_LOST] == 0)
+        res["steps"].append(dict(equal=ok, counted=counted, tokens=real,
+                                 fresh_selections=counters[D.COUNTER_FRESH],
+                                 unrouted=counters[D.COUNTER_UNROUTED]))
+        res["passed"] &= ok and counted
+        for i in range(n):  # the step's rows are committed before the next step
+            if fresh[i] and i != outsider:
+                w.h.append(w.ids[i], "c4a", w.truth[i, w.lens[i]:w.lens[i] + fresh[i]])
+            w.lens[i] += fresh[i]
+        w.h.step()
+    res["invalid_selections"] = w.h.invalid_selections()["c4a"]
+    res["passed"] &= res["invalid_selections"] == 0
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU run)")
+    ap.add_argument("--fmla-dir", default=str(ROOT / ".fmla"),
+                    help="folder holding vLLM 0.33's FlashMLA (ignored without CUDA)")
+    ap.add_argument("--commit", default=None, help="commit recorded in the JSON (default: git's)")
+    args = ap.parse_args(argv)
+    cfg = SMALL if args.small else FULL
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel = Kernel(args.fmla_dir if dev.type == "cuda" else None)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True).stdout.strip()
+    out = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+               date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
+               kernel="flashmla (vLLM 0.33.0 wheel)" if kernel.fmla else "torch reference",
+               config=cfg)
+    t0 = time.time()
+    try:
+        out["decode"] = decode_case(kernel, cfg, dev)
+    except Exception as e:  # noqa: BLE001
+        out["decode"] = dict(passed=False, error=repr(e)[:2000])
+    out["passed"], out["seconds"] = out["decode"]["passed"], round(time.time() - t0, 1)
+    print("decode:", out["decode"], flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print("passed" if out["passed"] else "FAILED", args.out)
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
