@@ -43,106 +43,130 @@ SMALL = dict(R_SMALL, batch=5, max_queries=3, fresh_rows=2)
 PAD_ROWS, PAD_TOKENS = 2, 3
 
 
+class Scenario:
+    """n requests in vLLM's blocks, n - 1 of them in a KVHierarchy, and one
+    ``RoutedDecode``; :meth:`steps` writes each step's decode metadata into fixed
+    buffers (``bufs``, ``q``) and yields what the counters must show."""
+
+    def __init__(self, cfg: dict, dev):
+        n, kmax, f_max, k = cfg["batch"], cfg["max_queries"], cfg["fresh_rows"], cfg["top_k"]
+        self.cfg, self.dev, self.n = cfg, dev, n
+        self.w = w = World(cfg, n, 0.05, dev, seed=515, staging=dict(arenas=1, columns=f_max))
+        self.outsider = n - 1  # in vLLM's batch, not in the hierarchy
+        w.h.finish(w.ids[self.outsider])
+        self.num_blocks = w.blocks.numel() // L.BLOCK_STRIDE
+        self.rd = D.RoutedDecode(w.h, "c4a", num_vllm_blocks=self.num_blocks, max_queries=kmax,
+                                 fresh_rows=f_max, staging=w.h.staging[0].table[0])
+        self.rows, self.t = n + PAD_ROWS, n * kmax + PAD_TOKENS
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.bufs = dict(local=torch.full((self.t, k), -1, **i32),
+                         token_to_req=torch.zeros(self.t, **i32),
+                         query_start_loc=torch.zeros(self.rows + 1, **i32),
+                         block_table=torch.zeros(self.rows, w.block_table.shape[1], **i32),
+                         seq_lens=torch.zeros(self.rows, **i32),
+                         is_valid=torch.zeros(self.t, dtype=torch.bool, device=dev))
+        self.cache = L.block_view(w.blocks, self.num_blocks)  # vLLM's c4a blocks
+        self.q = torch.zeros(self.t, 1, HEADS, 512, dtype=torch.bfloat16, device=dev)
+        _, self.swa, swa_idx0, swa_len0 = w.inputs(1, 0)
+        self.swa_idx = swa_idx0[:1].expand(self.t, 1, -1).contiguous()
+        self.swa_len = swa_len0[:1].expand(self.t).contiguous()
+
+    def locations(self):
+        b = self.bufs
+        return self.rd.locations(b["local"], b["token_to_req"], b["query_start_loc"],
+                                 b["block_table"], b["seq_lens"], b["is_valid"], self.cache)
+
+    def served(self) -> torch.Tensor:
+        """Tokens the hierarchy serves.  # [T] bool"""
+        return self.bufs["is_valid"] & (self.bufs["token_to_req"] != self.outsider)
+
+    def steps(self):
+        cfg, w, n, b = self.cfg, self.w, self.n, self.bufs
+        kmax, f_max, k = cfg["max_queries"], cfg["fresh_rows"], cfg["top_k"]
+        i32 = dict(dtype=torch.int32, device=self.dev)
+        routed_reqs = [i for i in range(n) if i != self.outsider]
+        g = torch.Generator().manual_seed(5)
+        for step in range(cfg["steps"]):
+            queries = [1 + (i + step) % kmax for i in range(n)]
+            fresh = [(i + step) % (f_max + 1) for i in range(n)]
+            for i in range(n):  # the compressor's rows of this step: in vLLM's blocks only
+                if fresh[i]:
+                    w.write_blocks(i, w.lens[i], w.truth[i, w.lens[i]:w.lens[i] + fresh[i]])
+            sel, _ = w.draw(kmax, 0.05, step, routed_reqs)  # [n-1, kmax, k] committed rows
+            out_sel = torch.randint(0, w.lens[self.outsider], (1, kmax, k), generator=g)
+            sel = torch.cat([sel, out_sel.to(sel)])
+            local, token_to_req, qsl = [], [], [0]
+            expect_fresh = 0
+            for i in range(n):
+                for j in range(queries[i]):
+                    s = sel[i, j].clone()
+                    if fresh[i]:  # the last selected rows of the query: rows of this step
+                        last = int((s >= 0).sum()) - 1
+                        for m in range(min(fresh[i], last + 1)):
+                            s[last - m] = w.lens[i] + (j + m) % fresh[i]
+                        expect_fresh += min(fresh[i], last + 1) if i != self.outsider else 0
+                    local.append(s)
+                    token_to_req.append(i)
+                qsl.append(qsl[-1] + queries[i])
+            real = len(local)
+            b["local"].fill_(-1)
+            b["local"][:real] = torch.stack(local)
+            b["token_to_req"].zero_()  # padding tokens point at row 0: they stay unrouted
+            b["token_to_req"][:real] = torch.tensor(token_to_req, **i32)
+            b["is_valid"].zero_()
+            b["is_valid"][:real] = True
+            b["query_start_loc"].fill_(real)
+            b["query_start_loc"][:n + 1] = torch.tensor(qsl, **i32)
+            b["block_table"][:n] = w.block_table
+            b["block_table"][n:] = w.block_table[0]  # stale copies of a live row
+            b["seq_lens"][:n] = torch.tensor([4 * (w.lens[i] + fresh[i]) + i % 4
+                                              for i in range(n)], **i32)
+            b["seq_lens"][n:] = b["seq_lens"][0]  # stale too: the rows have no valid token
+            newest = b["block_table"][routed_reqs,
+                                      (b["seq_lens"][routed_reqs].long() - 1) // 256]
+            D.R.write_slot_by_block(self.rd.slot_by_block, newest, torch.tensor(
+                [w.h.req_slot_of("c4a", w.ids[i]) for i in routed_reqs], dtype=torch.int32))
+            self.q.zero_()
+            self.q[:real] = w.inputs(kmax, step)[0][:real]
+            yield dict(tokens=real, fresh=expect_fresh, unrouted=queries[self.outsider])
+            for i in range(n):  # the step's rows are committed before the next step
+                if fresh[i] and i != self.outsider:
+                    w.h.append(w.ids[i], "c4a", w.truth[i, w.lens[i]:w.lens[i] + fresh[i]])
+                w.lens[i] += fresh[i]
+            w.h.step()
+
+
 def decode_case(kernel, cfg, dev) -> dict:
-    n, kmax, f_max, k = cfg["batch"], cfg["max_queries"], cfg["fresh_rows"], cfg["top_k"]
-    w = World(cfg, n, 0.05, dev, seed=515, staging=dict(arenas=1, columns=f_max))
-    outsider = n - 1  # in vLLM's batch, not in the hierarchy
-    w.h.finish(w.ids[outsider])
-    routed_reqs = list(range(n - 1))
-    num_blocks = w.blocks.numel() // L.BLOCK_STRIDE
-    rd = D.RoutedDecode(w.h, "c4a", num_vllm_blocks=num_blocks, max_queries=kmax,
-                        fresh_rows=f_max, staging=w.h.staging[0].table[0])
-    rows, t = n + PAD_ROWS, n * kmax + PAD_TOKENS
-    i32 = dict(dtype=torch.int32, device=dev)
-    bufs = dict(local=torch.full((t, k), -1, **i32), token_to_req=torch.zeros(t, **i32),
-                query_start_loc=torch.zeros(rows + 1, **i32),
-                block_table=torch.zeros(rows, w.block_table.shape[1], **i32),
-                seq_lens=torch.zeros(rows, **i32),
-                is_valid=torch.zeros(t, dtype=torch.bool, device=dev))
-    cache = L.block_view(w.blocks, num_blocks)
-    q_buf = torch.zeros(t, 1, HEADS, 512, dtype=torch.bfloat16, device=dev)
-    _, swa, swa_idx0, swa_len0 = w.inputs(1, 0)
-    swa_idx = swa_idx0[:1].expand(t, 1, -1).contiguous()
-    swa_len = swa_len0[:1].expand(t).contiguous()
-
-    def routed():
-        return rd.locations(bufs["local"], bufs["token_to_req"], bufs["query_start_loc"],
-                            bufs["block_table"], bufs["seq_lens"], bufs["is_valid"], cache)
-
+    sc = Scenario(cfg, dev)
+    t, k = sc.t, cfg["top_k"]
+    b, w = sc.bufs, sc.w
     graph = None
-    res = dict(batch=n, max_queries=kmax, fresh_rows=f_max, steps=[], passed=True)
-    g = torch.Generator().manual_seed(5)
-    for step in range(cfg["steps"]):
-        queries = [1 + (i + step) % kmax for i in range(n)]
-        fresh = [(i + step) % (f_max + 1) for i in range(n)]
-        for i in range(n):  # the compressor's rows of this step: in vLLM's blocks only
-            if fresh[i]:
-                w.write_blocks(i, w.lens[i], w.truth[i, w.lens[i]:w.lens[i] + fresh[i]])
-        sel, _ = w.draw(kmax, 0.05, step, routed_reqs)  # [n-1, kmax, k] committed rows
-        out_sel = torch.randint(0, w.lens[outsider], (1, kmax, k), generator=g).to(sel)
-        sel = torch.cat([sel, out_sel])
-        local, token_to_req, qsl = [], [], [0]
-        expect_fresh = 0
-        for i in range(n):
-            for j in range(queries[i]):
-                s = sel[i, j].clone()
-                if fresh[i]:  # the last selected rows of the query: rows of this step
-                    last = int((s >= 0).sum()) - 1
-                    for m in range(min(fresh[i], last + 1)):
-                        s[last - m] = w.lens[i] + (j + m) % fresh[i]
-                    expect_fresh += min(fresh[i], last + 1) if i != outsider else 0
-                local.append(s)
-                token_to_req.append(i)
-            qsl.append(qsl[-1] + queries[i])
-        real = len(local)
-        b = bufs
-        b["local"].fill_(-1)
-        b["local"][:real] = torch.stack(local)
-        b["token_to_req"].zero_()  # padding tokens point at row 0: they must stay unrouted
-        b["token_to_req"][:real] = torch.tensor(token_to_req, **i32)
-        b["is_valid"].zero_()
-        b["is_valid"][:real] = True
-        b["query_start_loc"].fill_(real)
-        b["query_start_loc"][:n + 1] = torch.tensor(qsl, **i32)
-        b["block_table"][:n] = w.block_table
-        b["block_table"][n:] = w.block_table[0]  # stale copies of a live row
-        b["seq_lens"][:n] = torch.tensor([4 * (w.lens[i] + fresh[i]) + i % 4
-                                          for i in range(n)], **i32)
-        b["seq_lens"][n:] = b["seq_lens"][0]  # stale too: the rows have no valid token
-        live = [i for i in routed_reqs]
-        newest = b["block_table"][live, (b["seq_lens"][live].long() - 1) // 256]
-        D.R.write_slot_by_block(rd.slot_by_block, newest, torch.tensor(
-            [w.h.req_slot_of("c4a", w.ids[i]) for i in live], dtype=torch.int32))
-        q_buf.zero_()
-        q_buf[:real] = w.inputs(kmax, step)[0][:real]
-        before = rd.counters.clone()
+    res = dict(batch=sc.n, max_queries=cfg["max_queries"], fresh_rows=cfg["fresh_rows"],
+               steps=[], passed=True)
+    for want in sc.steps():
+        before = sc.rd.counters.clone()
         if dev.type == "cuda":
             if graph is None:
-                graph, (loc, lens) = capture(routed)
+                graph, (loc, lens) = capture(sc.locations)
             replay_without_syncs(graph)
         else:
-            loc, lens = routed()
-        counters = (rd.counters - before).tolist()
-        o_r, l_r = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.pool_view(),
+            loc, lens = sc.locations()
+        counters = (sc.rd.counters - before).tolist()
+        o_r, l_r = kernel(sc.q, sc.swa, sc.swa_idx, sc.swa_len, w.sink, w.pool_view(),
                           loc.view(t, 1, k), lens)
-        o_v, l_v = kernel(q_buf, swa, swa_idx, swa_len, w.sink, w.resident_view(),
+        o_v, l_v = kernel(sc.q, sc.swa, sc.swa_idx, sc.swa_len, w.sink, w.resident_view(),
                           L.global_indices(b["block_table"], b["token_to_req"],
                                            b["local"]).view(t, 1, k), lens)
-        served = b["is_valid"] & (b["token_to_req"] != outsider)
+        served = sc.served()
         ok = torch.equal(o_r[served], o_v[served]) and (
             l_r is None or equal(l_r[served], l_v[served]))
-        counted = (counters[D.COUNTER_FRESH] == expect_fresh
-                   and counters[D.COUNTER_UNROUTED] == queries[outsider]
+        counted = (counters[D.COUNTER_FRESH] == want["fresh"]
+                   and counters[D.COUNTER_UNROUTED] == want["unrouted"]
                    and counters[D.COUNTER_FRESH_LOST] == 0)
-        res["steps"].append(dict(equal=ok, counted=counted, tokens=real,
+        res["steps"].append(dict(equal=ok, counted=counted, tokens=want["tokens"],
                                  fresh_selections=counters[D.COUNTER_FRESH],
                                  unrouted=counters[D.COUNTER_UNROUTED]))
         res["passed"] &= ok and counted
-        for i in range(n):  # the step's rows are committed before the next step
-            if fresh[i] and i != outsider:
-                w.h.append(w.ids[i], "c4a", w.truth[i, w.lens[i]:w.lens[i] + fresh[i]])
-            w.lens[i] += fresh[i]
-        w.h.step()
     res["invalid_selections"] = w.h.invalid_selections()["c4a"]
     res["passed"] &= res["invalid_selections"] == 0
     return res

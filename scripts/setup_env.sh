@@ -57,6 +57,9 @@ step "pip install -e .[$EXTRAS]" quiet_pip install -q -e "$REPO[$EXTRAS]"
 SITE="$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
 echo "import vllm_dhisparse.compat.early as m; m.install()" > "$SITE/vllm_dhisparse_cpu_compat.pth"
 
+# vLLM 0.33's Python classes for the CPU tests of the CUDA attention class (tests/vllm033)
+step "vLLM 0.33 Python files" bash "$REPO/scripts/fetch_vllm033.sh" "$REPO/.vllm033"
+
 step "smoke check" "$VENV/bin/python" - <<'PY'
 import os, triton
 from vllm.triton_utils import HAS_TRITON

