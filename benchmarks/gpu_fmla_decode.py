@@ -144,10 +144,10 @@ def decode_case(kernel, cfg, dev) -> dict:
     res = dict(batch=sc.n, max_queries=cfg["max_queries"], fresh_rows=cfg["fresh_rows"],
                steps=[], passed=True)
     for want in sc.steps():
+        if dev.type == "cuda" and graph is None:  # its warm-up call counts too: before
+            graph, (loc, lens) = capture(sc.locations)
         before = sc.rd.counters.clone()
         if dev.type == "cuda":
-            if graph is None:
-                graph, (loc, lens) = capture(sc.locations)
             replay_without_syncs(graph)
         else:
             loc, lens = sc.locations()
