@@ -182,6 +182,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # the smoke shapes' exact counts hold for the byte ledger, not for CUDA's allocator
     dev = torch.device("cpu") if args.smoke else C.device()
+    if dev.type == "cuda":  # set_per_process_memory_fraction wants an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     tokens = SMOKE_TOKENS if args.smoke else args.tokens
     budget_bytes = int((0.05 if args.smoke else args.budget_gib) * GIB)
     ds, sources = shape_of(args.smoke)
