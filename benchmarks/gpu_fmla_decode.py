@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_fmla_routed import HEADS, SMALL as R_SMALL, FULL as R_FULL  # noqa: E402
-from gpu_fmla_routed import Kernel, World, capture, equal, replay_without_syncs  # noqa: E402
+from gpu_fmla_routed import (Kernel, World, capture, equal, fmla_dir,  # noqa: E402
+                             replay_without_syncs)
 
 from vllm_dhisparse.flashmla import decode as D  # noqa: E402
 from vllm_dhisparse.flashmla import layout as L  # noqa: E402
@@ -176,13 +177,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU run)")
-    ap.add_argument("--fmla-dir", default=str(ROOT / ".fmla"),
-                    help="folder holding vLLM 0.33's FlashMLA (ignored without CUDA)")
+    ap.add_argument("--fmla-dir", default=None,
+                    help="folder holding vLLM 0.33's FlashMLA (default ./.fmla where it "
+                         "exists; without it or without CUDA: the torch reference)")
     ap.add_argument("--commit", default=None, help="commit recorded in the JSON (default: git's)")
     args = ap.parse_args(argv)
     cfg = SMALL if args.small else FULL
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kernel = Kernel(args.fmla_dir if dev.type == "cuda" else None)
+    kernel = Kernel(fmla_dir(args.fmla_dir, dev))
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                            capture_output=True, text=True).stdout.strip()
     out = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",

@@ -55,6 +55,20 @@ SMALL = dict(top_k=16, hot=64, history=200, time_history=400, batches=(1, 3), qu
              routing_batch=3, routing_queries=2)
 
 
+def fmla_dir(given: str | None, dev) -> str | None:
+    """Where FlashMLA is loaded from: ``given`` (it must hold the kernel), else ./.fmla
+    where it exists; None (the torch reference) without CUDA or without the kernel."""
+    if dev.type != "cuda":
+        return None
+    found = given or str(ROOT / ".fmla")
+    if not (Path(found) / "vllm" / "_flashmla_C.abi3.so").exists():
+        if given:
+            raise SystemExit(f"--fmla-dir {given}: no vllm/_flashmla_C.abi3.so there "
+                             f"(bash scripts/fetch_flashmla.sh {given})")
+        return None
+    return found
+
+
 class Kernel:
     """FlashMLA's V4 sparse decode, or the torch reference where it cannot run."""
 
@@ -539,9 +553,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--fmla-dir", default=str(ROOT / ".fmla"),
+    ap.add_argument("--fmla-dir", default=None,
                     help="folder holding vLLM 0.33's vllm/_flashmla_C.abi3.so and "
-                         "vllm/third_party/flashmla (ignored without CUDA)")
+                         "vllm/third_party/flashmla (default ./.fmla where it exists; "
+                         "without it or without CUDA: the torch reference)")
     ap.add_argument("--parts", default="checks,routing,graph,timing",
                     help="comma-separated: checks (routed vs resident cases), routing (from "
                          "vLLM's decode metadata, graph-captured on CUDA), graph, timing")
@@ -554,7 +569,7 @@ def main(argv=None) -> int:
         return 0
     cfg = SMALL if args.small else FULL
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kernel = Kernel(args.fmla_dir if dev.type == "cuda" else None)
+    kernel = Kernel(fmla_dir(args.fmla_dir, dev))
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                            capture_output=True, text=True).stdout.strip()
     out = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
