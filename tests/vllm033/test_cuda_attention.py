@@ -174,3 +174,16 @@ def test_a_wrong_location_is_seen(reference_kernels, monkeypatch):
         assert not torch.equal(up[sc.served()], routed[sc.served()])
     finally:
         cuda_attention.unbind_all()
+
+
+def test_every_extension_point_applies_against_vllm_033(on_cuda):
+    """The glue's start-up checks against 0.33's classes, with the CUDA worker as the
+    worker's base: what a GPU engine of 0.33 would run them against."""
+    from vllm_dhisparse.integration import extension_points as ep
+    from vllm_dhisparse.integration import draft_ring, kv_spec, scheduler, worker
+    for piece, step in ep.REGISTRATIONS.items():
+        step()
+    for module in (scheduler, kv_spec, draft_ring, cuda_attention):
+        module.check()
+    worker.check(worker.base_for(Cuda()))
+    assert model.routed_attention_cls() is cuda_attention.RoutedDeepseekV4FlashMLAAttention

@@ -24,15 +24,23 @@ from .support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
-BASE = ("vllm.v1.worker.cpu_worker:CPUWorker" if current_platform.is_cpu()
-        else "vllm.v1.worker.gpu_worker:Worker")
+
+
+def base_for(platform) -> str:
+    """The platform's worker class, which ours extends."""
+    return ("vllm.v1.worker.cpu_worker:CPUWorker" if platform.is_cpu()
+            else "vllm.v1.worker.gpu_worker:Worker")
+
+
+BASE = base_for(current_platform)
 QUALNAME = f"{__name__}.DHiSparseWorker"
 
 
-def check() -> None:
-    """What this module needs from vLLM, checked at start-up."""
-    expect(f"{BASE}.determine_available_memory", (), exact=True)
-    expect(f"{BASE}.get_kv_cache_spec", (), exact=True)
+def check(base: str = BASE) -> None:
+    """What this module needs from vLLM (from ``base``, the platform's worker), checked
+    at start-up."""
+    expect(f"{base}.determine_available_memory", (), exact=True)
+    expect(f"{base}.get_kv_cache_spec", (), exact=True)
 
 
 _Base = expect(BASE)
