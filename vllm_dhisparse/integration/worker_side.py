@@ -72,6 +72,7 @@ class WorkerSide:
         self.failures: Failures | None = None
         self.admissions: Admissions | None = None
         self.context: StepContext | None = None
+        self.decode_binding = None  # CUDA: the routed FlashMLA decode's tables (decode_binding.py)
 
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config=None) -> None:
@@ -102,6 +103,10 @@ class WorkerSide:
         self.failures = Failures(self.hierarchy, self.requests)
         self.admissions = self.admissions_cls(self.hierarchy, self.layers, self.vllm_cache,
                                               self.failures, self.cfg.device_window_tokens)
+        if self.device.type == "cuda":
+            from .decode_binding import DecodeBinding
+            self.decode_binding = DecodeBinding(self.hierarchy, self.layers, kv_caches,
+                                                self.max_queries, self.fresh_rows)
         logger.info("DHiSparse: %d sparse sources (%s), hot cache %d rows, host pool %.2f GiB",
                     len(specs), ", ".join(self.layers), specs[0].hot_cache_rows,
                     self.cfg.host_pool_gib)
@@ -137,10 +142,20 @@ class WorkerSide:
                     admissions.admit(req)  # retry: no device room when its prefill completed
                 if req.admitted:
                     admissions.commit(req)
+            if self.decode_binding is not None and req.prefill_complete and not req.admitted \
+                    and not req.failed:
+                # the routed FlashMLA decode reads no c4a row for it: fail it, never answer
+                failures.fail(req, "decoding without a place in the hierarchy (no device "
+                                   "room); on CUDA only admitted requests decode")
+                continue
             if req.admitted:
                 decoding.append((req, rs.num_scheduled_tokens))
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
         admissions.append_committed()
+        if self.decode_binding is not None:
+            self.decode_binding.write_tables(
+                [(req, req.num_computed_tokens + k) for req, k in decoding
+                 if req.admitted and not req.failed])
         self.verify_queries.extend(k for req, k in decoding if req.admitted and not req.failed)
         self.context = self.context_cls(h, self.layers, self.requests, self.vllm_cache,
                                         failures, self.served, self.fresh_rows, self.time_resolve)
@@ -153,6 +168,13 @@ class WorkerSide:
             return
         if self.handoff is not None:  # before admission: every block is still vLLM's
             self.handoff.capture(self.requests, self.step_req_ids)
+        if self.decode_binding is not None:
+            lost = self.decode_binding.take_counters()
+            if lost["unrouted_tokens"] or lost["fresh_rows_lost"]:
+                logger.error("DHiSparse: the routed decode served %d tokens without their c4a "
+                             "rows and lost %d rows of the step (a routing table out of step "
+                             "with vLLM's batch)", lost["unrouted_tokens"],
+                             lost["fresh_rows_lost"])
         self.admissions.admit_completed_prefills(self.requests, self.step_req_ids)
         self.hierarchy.step()
         self.failures.take_hierarchy_failures()

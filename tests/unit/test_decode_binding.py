@@ -1,0 +1,68 @@
+"""The worker's tables for the routed FlashMLA decode (integration/decode_binding.py):
+which vLLM blocks name which request slot, and the counters it reads after a step."""
+import torch
+
+from vllm_dhisparse.flashmla import layout as L
+from vllm_dhisparse.flashmla import routing as R
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from vllm_dhisparse.integration import cuda_attention
+from vllm_dhisparse.integration.decode_binding import DecodeBinding
+from vllm_dhisparse.integration.model_probe import SparseLayer
+from vllm_dhisparse.integration.requests import TrackedRequest
+
+
+def binding():
+    spec = dict(name="l0", row_bytes=584, page_size=64, device_pages=16, host_rows=1024,
+                hot_cache_rows=64, tail_pages=1, max_req_slots=4, max_rows=256,
+                plane_bytes=(576, 8))
+    h = KVHierarchy([spec], staging=dict(arenas=1, columns=2))
+    rows = torch.randint(0, 100, (80, 584), dtype=torch.uint8)
+    for rid in ("a", "b"):
+        assert h.admit(rid, 256, {"l0": rows})
+    layer = SparseLayer(name="l0", compress_ratio=4, top_k=16, row_bytes=584,
+                        rows_per_block=64, group=0)
+    caches = {"l0": torch.zeros(12, 64, 584, dtype=torch.uint8)}
+    return h, DecodeBinding(h, {"l0": layer}, caches, max_queries=1, fresh_rows={"l0": 2})
+
+
+def test_newest_and_next_block_name_the_slot_and_the_layer_is_bound():
+    h, b = binding()
+    try:
+        routed = b.routed["l0"]
+        assert cuda_attention._ROUTED["l0"] is routed
+        a = TrackedRequest("a", 300, 10, [[5, 9, 2]])
+        c = TrackedRequest("b", 90, 10, [[7, 3]])
+        b.write_tables([(a, 300), (c, 100)])  # newest tokens in blocks 9 and 7
+        sa, sb = h.req_slot_of("l0", "a"), h.req_slot_of("l0", "b")
+        want = torch.full((12,), -1, dtype=torch.int32)
+        want[[9, 2]], want[[7, 3]] = sa, sb
+        assert torch.equal(routed.slot_by_block, want)
+        # the device one token ahead of the host (async scheduling): still the slot
+        table = torch.tensor([[5, 9, 2], [7, 3, 0]], dtype=torch.int32)
+        got = R.token_req_slots(routed.slot_by_block, table, torch.tensor([513, 257]),
+                                torch.tensor([0, 1]), torch.tensor([True, True]), 256)
+        assert got.tolist() == [sa, sb]
+        b.write_tables([(c, 100)])  # a finished: its blocks name nothing any more
+        assert int(routed.slot_by_block[9]) == -1 and int(routed.slot_by_block[7]) == sb
+    finally:
+        b.close()
+    assert "l0" not in cuda_attention._ROUTED
+
+
+def test_counters_are_read_and_reset():
+    h, b = binding()
+    try:
+        routed = b.routed["l0"]
+        a = TrackedRequest("a", 300, 10, [[5, 9, 2]])
+        b.write_tables([(a, 300)])
+        local = torch.tensor([[0, 3, -1, -1], [1, -1, -1, -1]], dtype=torch.int32)
+        table = torch.tensor([[5, 9, 2], [7, 3, 0]], dtype=torch.int32)
+        cache = L.block_view(torch.zeros(12 * L.BLOCK_STRIDE, dtype=torch.uint8), 12)
+        routed.locations(local, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), table,
+                         torch.tensor([300, 100]), torch.tensor([True, True]), cache)
+        # request "b" is in the batch but not in the tables: its token is not routed
+        assert b.take_counters() == dict(fresh_selections=0, fresh_rows_lost=0,
+                                         unrouted_tokens=1)
+        assert b.take_counters()["unrouted_tokens"] == 0
+    finally:
+        b.close()

@@ -1,0 +1,75 @@
+"""The worker's half of the routed FlashMLA decode (CUDA, cuda_attention.py).
+
+One :class:`~vllm_dhisparse.flashmla.decode.RoutedDecode` per c4a layer, made and bound
+to the layer in ``register_kv_caches``, before vLLM captures its CUDA graphs (a FULL
+graph runs the layer's Python only at capture, so what it reads must exist then and
+live as long as the engine).  Before every forward, outside graphs, :meth:`write_tables`
+rewrites each layer's ``slot_by_block``: the block of an admitted request's newest token
+-> the request's slot in that layer's source, and the block after it too, because with
+asynchronous scheduling the device's ``seq_lens`` can run one step ahead of the host's
+view and put the newest token there.  After the forward, :meth:`take_counters` reads the
+routing's counters (one device read per step): tokens the hierarchy did not serve mean
+a request reached decode without being admitted, which the worker reports.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_dhisparse.flashmla import decode as D
+from vllm_dhisparse.flashmla import routing as R
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+
+from . import cuda_attention
+from .model_probe import SparseLayer
+from .requests import TrackedRequest
+
+LOOKAHEAD_BLOCKS = 1  # blocks after the newest token's that map to the request too
+
+
+class DecodeBinding:
+    def __init__(self, hierarchy: KVHierarchy, layers: dict[str, SparseLayer],
+                 kv_caches: dict[str, torch.Tensor], max_queries: int,
+                 fresh_rows: dict[str, int]):
+        self.hierarchy, self.layers = hierarchy, layers
+        self.routed: dict[str, D.RoutedDecode] = {}
+        for name, layer in layers.items():
+            arenas = hierarchy.source(name).arenas
+            if arenas is None:
+                raise ValueError(f"c4a layer {name!r}: the routed decode stages its rows in "
+                                 f"a staging arena; the hierarchy has none")
+            # layers run one after another in stream order: each takes arena 0's rows
+            self.routed[name] = D.RoutedDecode(
+                hierarchy, name, num_vllm_blocks=kv_caches[name].shape[0],
+                max_queries=max_queries, fresh_rows=fresh_rows[name],
+                staging=arenas.table[0])
+        for name, routed in self.routed.items():
+            cuda_attention.bind(name, routed)
+
+    def write_tables(self, decoding: list[tuple[TrackedRequest, int]]) -> None:
+        """``decoding``: (admitted request, its tokens once this step's are computed)."""
+        for name, routed in self.routed.items():
+            layer = self.layers[name]
+            block_tokens = layer.rows_per_block * layer.compress_ratio
+            blocks, slots = [], []
+            for req, tokens in decoding:
+                ids = req.block_ids[layer.group]
+                newest = (tokens - 1) // block_tokens
+                slot = self.hierarchy.req_slot_of(name, req.req_id)
+                for b in ids[newest:newest + 1 + LOOKAHEAD_BLOCKS]:
+                    blocks.append(b)
+                    slots.append(slot)
+            R.write_slot_by_block(routed.slot_by_block, torch.tensor(blocks, dtype=torch.int64),
+                                  torch.tensor(slots, dtype=torch.int32))
+
+    def take_counters(self) -> dict[str, int]:
+        """The routing counters summed over layers since the last call (one device read)."""
+        total = torch.stack([r.counters for r in self.routed.values()]).sum(0)
+        for r in self.routed.values():
+            r.counters.zero_()
+        got = total.tolist()
+        return dict(fresh_selections=got[D.COUNTER_FRESH],
+                    fresh_rows_lost=got[D.COUNTER_FRESH_LOST],
+                    unrouted_tokens=got[D.COUNTER_UNROUTED])
+
+    def close(self) -> None:
+        cuda_attention.unbind_all()
