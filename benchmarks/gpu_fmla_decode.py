@@ -20,9 +20,7 @@ unrouted tokens.  Writes JSON; exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_fmla_routed import HEADS, SMALL as R_SMALL, FULL as R_FULL  # noqa: E402
-from gpu_fmla_routed import (Kernel, World, capture, equal, fmla_dir,  # noqa: E402
-                             replay_without_syncs)
+from gpu_fmla_routed import (World, capture, equal, replay_without_syncs,  # noqa: E402
+                             setup)
 
 from vllm_dhisparse.flashmla import decode as D  # noqa: E402
 from vllm_dhisparse.flashmla import layout as L  # noqa: E402
@@ -183,14 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None, help="commit recorded in the JSON (default: git's)")
     args = ap.parse_args(argv)
     cfg = SMALL if args.small else FULL
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kernel = Kernel(fmla_dir(args.fmla_dir, dev))
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                           capture_output=True, text=True).stdout.strip()
-    out = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-               date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
-               kernel="flashmla (vLLM 0.33.0 wheel)" if kernel.fmla else "torch reference",
-               config=cfg)
+    dev, kernel, out = setup(args, cfg)
     t0 = time.time()
     try:
         out["decode"] = decode_case(kernel, cfg, dev)

@@ -549,6 +549,19 @@ def plot(checks_json: str, timing_json: str, png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
+def setup(args, cfg: dict):
+    """(device, kernel, the results' header) of a run from ``--fmla-dir`` / ``--commit``."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel = Kernel(fmla_dir(args.fmla_dir, dev))
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True).stdout.strip()
+    out = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+               date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
+               kernel="flashmla (vLLM 0.33.0 wheel)" if kernel.fmla else "torch reference",
+               config=cfg)
+    return dev, kernel, out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -568,14 +581,8 @@ def main(argv=None) -> int:
         plot(*args.plot, args.out)
         return 0
     cfg = SMALL if args.small else FULL
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kernel = Kernel(fmla_dir(args.fmla_dir, dev))
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                           capture_output=True, text=True).stdout.strip()
-    out = dict(device=torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
-               date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__,
-               kernel="flashmla (vLLM 0.33.0 wheel)" if kernel.fmla else "torch reference",
-               config=cfg, parts=args.parts, cases=[])
+    dev, kernel, out = setup(args, cfg)
+    out.update(parts=args.parts, cases=[])
     t0 = time.time()
     ok = True
     parts = set(args.parts.split(","))
