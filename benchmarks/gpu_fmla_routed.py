@@ -551,7 +551,8 @@ def plot(checks_json: str, timing_json: str, png: str) -> None:
 
 def setup(args, cfg: dict):
     """(device, kernel, the results' header) of a run from ``--fmla-dir`` / ``--commit``."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # --small is the CPU run (the tests), also on a GPU machine: the reference is CPU code
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     kernel = Kernel(fmla_dir(args.fmla_dir, dev))
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                            capture_output=True, text=True).stdout.strip()

@@ -1,14 +1,17 @@
 """The worker's tables for the routed FlashMLA decode (integration/decode_binding.py):
 which vLLM blocks name which request slot, and the counters it reads after a step."""
+import pytest
 import torch
 
-from vllm_dhisparse.flashmla import layout as L
-from vllm_dhisparse.flashmla import routing as R
-from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from vllm_dhisparse.integration import cuda_attention
-from vllm_dhisparse.integration.decode_binding import DecodeBinding
-from vllm_dhisparse.integration.model_probe import SparseLayer
-from vllm_dhisparse.integration.requests import TrackedRequest
+pytest.importorskip("vllm")  # the binding is glue: a GPU machine with the core only skips it
+
+from vllm_dhisparse.flashmla import layout as L  # noqa: E402
+from vllm_dhisparse.flashmla import routing as R  # noqa: E402
+from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
+from vllm_dhisparse.integration import cuda_attention  # noqa: E402
+from vllm_dhisparse.integration.decode_binding import DecodeBinding  # noqa: E402
+from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.requests import TrackedRequest  # noqa: E402
 
 
 def binding():
