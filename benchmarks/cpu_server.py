@@ -1,0 +1,278 @@
+"""The whole server on CPU, resident serving vs the connector: decode latency at low load
+and capacity at a fixed KV budget (vLLM's OpenAI server, the demo model).
+
+    python benchmarks/cpu_server.py --out benchmarks/results/cpu_server [--phases ...]
+
+Phases (each starts one server per arm on 127.0.0.1, same engine arguments, the arms one
+after the other):
+
+* ``latency``: 1 and then 4 concurrent streamed requests (``--latency-prompt`` tokens,
+  ``--latency-tokens`` greedy tokens, ``ignore_eos``), history resident (the prompt's c4a
+  rows fit the hot cache); per request the inter-token latency (time from its first to
+  its last token / tokens - 1), ``--rounds`` rounds; the median per arm and the ratio.
+* ``capacity``: for each ``--capacity`` prompt length and KV budget, ``--requests``
+  requests submitted at once to a server with that much KV memory (both arms: vLLM's
+  blocks, and with the connector also the hierarchy's device pools, inside it);
+  ``vllm:num_requests_running`` polled from ``/metrics`` every 0.2 s (its maximum), and
+  output tokens per second over the whole batch.
+
+Writes ``<out>.json`` (device, date, commit, every measurement) and ``<out>.png``.
+Prompts are random token ids, distinct per request (no prefix hits).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from vllm_dhisparse import demo  # noqa: E402
+from vllm_dhisparse.engine_args import server_args as connector_args  # noqa: E402
+
+RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.e+]+)", re.M)
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]  # 0-2 are the special tokens
+
+
+class Server:
+    """vLLM's OpenAI server for one arm (``extra`` None: resident serving)."""
+
+    def __init__(self, model: str, extra: dict | None, *, max_model_len: int, kv_bytes: int,
+                 max_num_seqs: int, log: Path):
+        self.model, self.port = model, demo.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
+               "--max-model-len", str(max_model_len), "--enforce-eager", "--block-size", "256",
+               "--kv-cache-memory-bytes", str(kv_bytes), "--max-num-seqs", str(max_num_seqs)]
+        if extra is not None:
+            cmd += connector_args(extra)
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=demo.server_env())
+
+    def __enter__(self):
+        try:
+            demo.wait_healthy(self.url, self.proc, 600)
+        except Exception:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        demo.stop_server(self.proc)
+        self.log.close()
+
+    def post(self, body: dict):
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=3600)
+
+    def stream(self, ids: list[int], max_tokens: int) -> dict:
+        """One streamed greedy request: token count and the times its chunks arrived."""
+        body = dict(model=self.model, prompt=ids, max_tokens=max_tokens, temperature=0.0,
+                    ignore_eos=True, stream=True, stream_options={"include_usage": True})
+        times, usage, t0 = [], None, time.perf_counter()
+        with self.post(body) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        tokens = usage["completion_tokens"] if usage else len(times)
+        itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        return dict(tokens=tokens, chunks=len(times), first_s=times[0] - t0 if times else None,
+                    itl_s=itl)
+
+    def complete(self, ids: list[int], max_tokens: int) -> int:
+        body = dict(model=self.model, prompt=ids, max_tokens=max_tokens, temperature=0.0,
+                    ignore_eos=True)
+        with self.post(body) as r:
+            return json.load(r)["usage"]["completion_tokens"]
+
+    def running(self) -> int:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            m = RUNNING.search(r.read().decode())
+        return int(float(m.group(1))) if m else 0
+
+
+def concurrently(fn, args: list) -> list:
+    out = [None] * len(args)
+    errors = []
+
+    def run(i, a):
+        try:
+            out[i] = fn(*a)
+        except Exception as e:  # noqa: BLE001 -- reported after the join
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def latency(args, arm: str, extra, logs: Path) -> dict:
+    res = {}
+    with Server(args.model, extra, max_model_len=args.latency_prompt + args.latency_tokens + 8,
+                kv_bytes=args.latency_kv_bytes, max_num_seqs=8, log=logs / f"latency_{arm}.log") as s:
+        s.stream(prompt_ids(args.latency_prompt, 999), 4)  # warm-up
+        for n in (1, 4):
+            itls = []
+            for r in range(args.rounds):
+                got = concurrently(s.stream, [(prompt_ids(args.latency_prompt, 1000 * r + i),
+                                               args.latency_tokens) for i in range(n)])
+                itls += [g["itl_s"] for g in got]
+            res[f"concurrency_{n}"] = dict(itl_s=itls, median_itl_s=statistics.median(itls))
+            print(f"  {arm} latency x{n}: median {1e3 * statistics.median(itls):.1f} ms/token",
+                  flush=True)
+    return res
+
+
+def capacity(args, arm: str, extra, prompt: int, kv_bytes: int, logs: Path) -> dict:
+    with Server(args.model, extra, max_model_len=prompt + args.capacity_tokens + 8,
+                kv_bytes=kv_bytes, max_num_seqs=args.requests,
+                log=logs / f"capacity{prompt}_{arm}.log") as s:
+        seen, done = [], threading.Event()
+
+        def poll():
+            while not done.is_set():
+                try:
+                    seen.append(s.running())
+                except OSError:
+                    pass
+                done.wait(0.2)
+        poller = threading.Thread(target=poll)
+        poller.start()
+        t0 = time.perf_counter()
+        try:
+            tokens = concurrently(s.complete, [(prompt_ids(prompt, 50_000 + i), args.capacity_tokens)
+                                               for i in range(args.requests)])
+        finally:
+            done.set()
+            poller.join()
+        wall = time.perf_counter() - t0
+    out = dict(kv_bytes=kv_bytes, max_running=max(seen, default=0), output_tokens=sum(tokens),
+               wall_s=wall,
+               output_tokens_per_s=sum(tokens) / wall, running_samples=len(seen))
+    print(f"  {arm} capacity {prompt}: max running {out['max_running']}, "
+          f"{out['output_tokens_per_s']:.2f} output tokens/s", flush=True)
+    return out
+
+
+def args_requests(res: dict) -> int:
+    return res["config"]["requests"]
+
+
+def plot(res: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    arms = ("resident", "connector")
+    lat = res.get("latency", {})
+    if lat:
+        for j, n in enumerate((1, 4)):
+            vals = [1e3 * lat[a][f"concurrency_{n}"]["median_itl_s"] for a in arms]
+            ax[0].bar([j * 3 + k for k in range(2)], vals, color=["tab:gray", "tab:blue"])
+        ax[0].set_xticks([0.5, 3.5], ["1 request", "4 requests"])
+        ax[0].set_ylabel("median inter-token latency (ms)")
+        ax[0].set_title("decode latency, history resident")
+    cap = res.get("capacity", {})
+    prompts = sorted(cap, key=int)
+    for i, (key, label) in enumerate((("max_running", "max running requests"),
+                                      ("output_tokens_per_s", "output tokens / s"))):
+        a = ax[1 + i]
+        for k, arm in enumerate(arms):
+            a.bar([j * 3 + k for j in range(len(prompts))],
+                  [cap[p][arm][key] for p in prompts], color=["tab:gray", "tab:blue"][k],
+                  label=arm)
+        a.set_xticks([j * 3 + 0.5 for j in range(len(prompts))],
+                     [f"{p} tokens\n{cap[p]['resident']['kv_bytes'] / 1e6:.0f} MB KV"
+                      for p in prompts])
+        a.set_title(f"{label}, {args_requests(res)} requests at once")
+        a.legend()
+    fig.suptitle(f"vLLM server on {res['device']}, {res['date']}, {res['commit']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="results stem: <out>.json, <out>.png")
+    ap.add_argument("--model", default=str(ROOT / "demo_model"),
+                    help="model directory (default: the demo model, built if missing)")
+    ap.add_argument("--phases", default="latency,capacity", help="latency, capacity")
+    ap.add_argument("--rounds", type=int, default=3, help="latency rounds per concurrency")
+    ap.add_argument("--latency-prompt", type=int, default=1800,
+                    help="prompt tokens of the latency phase (c4a rows within the hot cache)")
+    ap.add_argument("--latency-tokens", type=int, default=48)
+    ap.add_argument("--latency-kv-bytes", type=int, default=1 << 30)
+    ap.add_argument("--capacity", default="7000:285000000,32000:1100000000",
+                    help="PROMPT_TOKENS:KV_BYTES,...: the capacity runs (a budget per prompt "
+                         "length, so that resident serving runs fewer than --requests)")
+    ap.add_argument("--capacity-tokens", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--connector", default='{"hot_cache_rows": 512}',
+                    help="the connector arm's kv_connector_extra_config (JSON)")
+    ap.add_argument("--plot", metavar="JSON", help="draw a committed results file and exit")
+    args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), args.out + ".png")
+        return 0
+    if not (Path(args.model) / "config.json").exists():
+        demo.build_demo_model(args.model)
+    extra = json.loads(args.connector)
+    logs = Path(args.out + "_logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    res = dict(device=f"CPU {platform.machine()}, {os.cpu_count()} cores",
+               date=datetime.date.today().isoformat(), commit=commit,
+               config={k: v for k, v in vars(args).items() if k not in ("plot",)})
+    phases = set(args.phases.split(","))
+    if "latency" in phases:
+        res["latency"] = {arm: latency(args, arm, e, logs)
+                          for arm, e in (("resident", None), ("connector", extra))}
+        for n in (1, 4):
+            key = f"concurrency_{n}"
+            res["latency"][f"ratio_{n}"] = (res["latency"]["connector"][key]["median_itl_s"]
+                                            / res["latency"]["resident"][key]["median_itl_s"])
+    if "capacity" in phases:
+        res["capacity"] = {}
+        for item in args.capacity.split(","):
+            prompt, kv_bytes = (int(x) for x in item.split(":"))
+            res["capacity"][str(prompt)] = {arm: capacity(args, arm, e, prompt, kv_bytes, logs)
+                                            for arm, e in (("resident", None),
+                                                           ("connector", extra))}
+            Path(args.out + ".json").write_text(json.dumps(res, indent=1))
+    Path(args.out + ".json").write_text(json.dumps(res, indent=1))
+    plot(res, args.out + ".png")
+    print("wrote", args.out + ".json", args.out + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
