@@ -230,11 +230,14 @@ def main(argv=None) -> int:
                     help="prompt tokens of the latency phase (c4a rows within the hot cache)")
     ap.add_argument("--latency-tokens", type=int, default=48)
     ap.add_argument("--latency-kv-bytes", type=int, default=1 << 30)
-    ap.add_argument("--capacity", default="7000:285000000,32000:1100000000",
+    ap.add_argument("--capacity", default="7000:200000000,16000:450000000",
                     help="PROMPT_TOKENS:KV_BYTES,...: the capacity runs (a budget per prompt "
-                         "length, so that resident serving runs fewer than --requests)")
-    ap.add_argument("--capacity-tokens", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=12)
+                         "length, so that resident serving runs fewer than --requests; the "
+                         "demo model's positions end at 16,384)")
+    ap.add_argument("--capacity-tokens", type=int, default=96,
+                    help="output tokens per request: long enough that requests decode "
+                         "together (prefill holds every block in both arms)")
+    ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--connector", default='{"hot_cache_rows": 512}',
                     help="the connector arm's kv_connector_extra_config (JSON)")
     ap.add_argument("--plot", metavar="JSON", help="draw a committed results file and exit")
