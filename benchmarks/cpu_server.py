@@ -230,9 +230,9 @@ def main(argv=None) -> int:
                     help="prompt tokens of the latency phase (c4a rows within the hot cache)")
     ap.add_argument("--latency-tokens", type=int, default=48)
     ap.add_argument("--latency-kv-bytes", type=int, default=1 << 30)
-    ap.add_argument("--capacity", default="7000:200000000,16000:450000000",
+    ap.add_argument("--capacity", default="7000:100000000,16000:200000000",
                     help="PROMPT_TOKENS:KV_BYTES,...: the capacity runs (a budget per prompt "
-                         "length, so that resident serving runs fewer than --requests; the "
+                         "length, as small as resident serving starts with, so that it runs fewer than --requests; the "
                          "demo model's positions end at 16,384)")
     ap.add_argument("--capacity-tokens", type=int, default=96,
                     help="output tokens per request: long enough that requests decode "
