@@ -200,6 +200,8 @@ def plot(res: dict, png: str) -> None:
         ax[0].set_xticks([0.5, 3.5], ["1 request", "4 requests"])
         ax[0].set_ylabel("median inter-token latency (ms)")
         ax[0].set_title("decode latency, history resident")
+    else:
+        ax[0].axis("off")
     cap = res.get("capacity", {})
     prompts = sorted(cap, key=int)
     for i, (key, label) in enumerate((("max_running", "max running requests"),
@@ -210,7 +212,7 @@ def plot(res: dict, png: str) -> None:
                   [cap[p][arm][key] for p in prompts], color=["tab:gray", "tab:blue"][k],
                   label=arm)
         a.set_xticks([j * 3 + 0.5 for j in range(len(prompts))],
-                     [f"{p} tokens\n{cap[p]['resident']['kv_bytes'] / 1e6:.0f} MB KV"
+                     [f"{p} tokens\n{cap[p]['resident'].get('kv_bytes', 0) / 1e6:.0f} MB KV"
                       for p in prompts])
         a.set_title(f"{label}, {args_requests(res)} requests at once")
         a.legend()
@@ -231,9 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-tokens", type=int, default=48)
     ap.add_argument("--latency-kv-bytes", type=int, default=1 << 30)
     ap.add_argument("--capacity", default="7000:100000000,16000:200000000",
-                    help="PROMPT_TOKENS:KV_BYTES,...: the capacity runs (a budget per prompt "
-                         "length, as small as resident serving starts with, so that it runs fewer than --requests; the "
-                         "demo model's positions end at 16,384)")
+                    help="PROMPT_TOKENS:KV_BYTES,...: the capacity runs (per prompt length a "
+                         "budget near the least resident serving starts with, so that it runs "
+                         "fewer than --requests; the demo model's positions end at 16,384)")
     ap.add_argument("--capacity-tokens", type=int, default=96,
                     help="output tokens per request: long enough that requests decode "
                          "together (prefill holds every block in both arms)")
