@@ -50,7 +50,10 @@ class Scenario:
     def __init__(self, cfg: dict, dev):
         n, kmax, f_max, k = cfg["batch"], cfg["max_queries"], cfg["fresh_rows"], cfg["top_k"]
         self.cfg, self.dev, self.n = cfg, dev, n
-        self.w = w = World(cfg, n, 0.05, dev, seed=515, staging=dict(arenas=1, columns=f_max))
+        # staging rows per request: overflow misses (K_max * k beyond the hot cache) + fresh
+        overflow = max(0, kmax * k - cfg["hot"])
+        self.w = w = World(cfg, n, 0.05, dev, seed=515,
+                           staging=dict(arenas=1, columns=overflow + f_max))
         self.outsider = n - 1  # in vLLM's batch, not in the hierarchy
         w.h.finish(w.ids[self.outsider])
         self.num_blocks = w.blocks.numel() // L.BLOCK_STRIDE
@@ -157,8 +160,9 @@ def decode_case(kernel, cfg, dev) -> dict:
                           L.global_indices(b["block_table"], b["token_to_req"],
                                            b["local"]).view(t, 1, k), lens)
         served = sc.served()
+        # tokens the hierarchy does not serve (padding, the outsider) read no row at all
         ok = torch.equal(o_r[served], o_v[served]) and (
-            l_r is None or equal(l_r[served], l_v[served]))
+            l_r is None or equal(l_r[served], l_v[served])) and bool((loc[~served] == -1).all())
         counted = (counters[D.COUNTER_FRESH] == want["fresh"]
                    and counters[D.COUNTER_UNROUTED] == want["unrouted"]
                    and counters[D.COUNTER_FRESH_LOST] == 0)

@@ -57,12 +57,12 @@ def test_counters_are_read_and_reset():
     try:
         routed = b.routed["l0"]
         a = TrackedRequest("a", 300, 10, [[5, 9, 2]])
-        b.write_tables([(a, 300)])
+        b.write_tables([(a, 320)])  # 80 c4a rows written, all committed
         local = torch.tensor([[0, 3, -1, -1], [1, -1, -1, -1]], dtype=torch.int32)
         table = torch.tensor([[5, 9, 2], [7, 3, 0]], dtype=torch.int32)
         cache = L.block_view(torch.zeros(12 * L.BLOCK_STRIDE, dtype=torch.uint8), 12)
         routed.locations(local, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), table,
-                         torch.tensor([300, 100]), torch.tensor([True, True]), cache)
+                         torch.tensor([320, 100]), torch.tensor([True, True]), cache)
         # request "b" is in the batch but not in the tables: its token is not routed
         assert b.take_counters() == dict(fresh_selections=0, fresh_rows_lost=0,
                                          unrouted_tokens=1)

@@ -27,6 +27,15 @@ def test_routed_decode_equals_resident_and_counts(tmp_path):
     assert all(s["unrouted"] > 0 for s in r["steps"])
 
 
+def test_overflow_staging_rows_serve_what_the_hot_cache_cannot():
+    """K_max * k = 48 selections per request against a 32-row hot cache: 16 staging rows
+    per request take the overflow misses, next to the rows of the step."""
+    cfg = dict(G.SMALL, hot=32)
+    from gpu_fmla_routed import Kernel
+    r = G.decode_case(Kernel(None), cfg, torch.device("cpu"))
+    assert r["passed"] and all(s["equal"] and s["counted"] for s in r["steps"]), r
+
+
 def test_without_the_fresh_copy_the_run_fails(tmp_path, monkeypatch):
     """Negative control: rows the compressor wrote in the step, not copied to the
     hierarchy's storage, read stale bytes."""

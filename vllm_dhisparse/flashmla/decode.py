@@ -19,8 +19,11 @@ replays it while requests come and go:
 4. FlashMLA's ``extra_topk_length`` is computed as vLLM computes it.
 
 A valid token whose request the hierarchy does not hold reads nothing from the extra
-cache (locations -1); ``counters`` counts such tokens and fresh rows that did not fit, so
-the worker can fail those requests after the step instead of serving a wrong answer.
+cache (locations -1); ``counters`` counts such tokens and fresh rows that did not fit,
+batch-wide (they do not name the request).  Not served yet: vLLM 0.33 classes a short
+prefill chunk or a full prefix-cache hit as a decode, and such a request is not admitted
+until its prefill completes; its rows would have to be copied from vLLM's blocks
+(``shared/notes/gpu_path.md`` §3, step 6).
 """
 from __future__ import annotations
 
