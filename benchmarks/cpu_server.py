@@ -182,10 +182,6 @@ def capacity(args, arm: str, extra, prompt: int, kv_bytes: int, logs: Path) -> d
     return out
 
 
-def args_requests(res: dict) -> int:
-    return res["config"]["requests"]
-
-
 def plot(res: dict, png: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -214,7 +210,7 @@ def plot(res: dict, png: str) -> None:
         a.set_xticks([j * 3 + 0.5 for j in range(len(prompts))],
                      [f"{p} tokens\n{cap[p]['resident'].get('kv_bytes', 0) / 1e6:.0f} MB KV"
                       for p in prompts])
-        a.set_title(f"{label}, {args_requests(res)} requests at once")
+        a.set_title(f"{label}, {res['config']['requests']} requests at once")
         a.legend()
     fig.suptitle(f"vLLM server on {res['device']}, {res['date']}, {res['commit']}")
     fig.tight_layout()

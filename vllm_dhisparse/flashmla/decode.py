@@ -108,11 +108,9 @@ class RoutedDecode:
         n = block_table.shape[0]
         st = self.parts.state
         dev = local.device
-        req = token_to_req.long()  # [T]
-        slot = R.token_req_slots(self.slot_by_block, block_table, seq_lens,
-                                 torch.arange(n, device=dev), torch.ones(n, dtype=torch.bool,
-                                                                         device=dev),
-                                 L.ROWS_PER_BLOCK * 4)  # [N] int32
+        req = token_to_req.long().clamp(max=n - 1)  # [T] (padding tokens may name any row)
+        slot = R.req_slots(self.slot_by_block, block_table, seq_lens,
+                           L.ROWS_PER_BLOCK * 4)  # [N] int32
         row = torch.where(is_valid, req, n)  # [T] batch row; invalid tokens -> padding row N
         # a row without a valid token is graph padding, whatever its stale table entries say
         has_token = torch.zeros(n + 1, dtype=torch.bool, device=dev).index_fill_(0, row, True)
@@ -127,14 +125,14 @@ class RoutedDecode:
         fresh_dst = self.staging[safe, -self.fresh_rows:]  # [N, F] int32
         self._copy_fresh(vllm_cache, block_table, committed, fresh_n, fresh_dst)
 
-        pos = torch.arange(t, device=dev) - query_start_loc.long()[req.clamp(max=n - 1)]
+        pos = torch.arange(t, device=dev) - query_start_loc.long()[req]
         j = torch.where(is_valid, pos, 0).clamp(min=0)  # [T] query index within its request
-        tok_slot = torch.where(is_valid & (j < self.max_queries), slot[req.clamp(max=n - 1)],
+        tok_slot = torch.where(is_valid & (j < self.max_queries), slot[req],
                                -1)  # [T]
         self.counters[COUNTER_UNROUTED] += (is_valid & (tok_slot < 0)).sum()
         j = j.clamp(max=self.max_queries - 1)
         row = torch.where(tok_slot >= 0, row, n)
-        tok_committed = committed[req.clamp(max=n - 1)].view(t, 1)  # [T, 1]
+        tok_committed = committed[req].view(t, 1)  # [T, 1]
         fresh = (local >= tok_committed) & (tok_slot >= 0).view(t, 1)  # [T, k]
         self.counters[COUNTER_FRESH] += fresh.sum()
         committed_sel = torch.where(fresh, -1, local)
@@ -153,9 +151,9 @@ class RoutedDecode:
                                                   overflow)
         loc = loc[row, j]  # [T, k]
         off = (local.long() - tok_committed).clamp(0, self.fresh_rows - 1)
-        fresh_loc = torch.gather(fresh_dst[req.clamp(max=n - 1)], 1, off)  # [T, k]
+        fresh_loc = torch.gather(fresh_dst[req], 1, off)  # [T, k]
         # a fresh row past the copied ones was lost above: it reads nothing
-        fresh_ok = off < fresh_n[req.clamp(max=n - 1)].view(t, 1).long()
+        fresh_ok = off < fresh_n[req].view(t, 1).long()
         loc = torch.where(fresh, torch.where(fresh_ok, fresh_loc, -1), loc)
         loc = torch.where((tok_slot >= 0).view(t, 1), loc, -1)
         return loc.to(torch.int32), R.topk_lengths(local, is_valid)

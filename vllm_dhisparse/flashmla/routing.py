@@ -32,20 +32,30 @@ def write_slot_by_block(slot_by_block: torch.Tensor, newest_blocks: torch.Tensor
     slot_by_block[newest_blocks.to(dev, torch.int64)] = req_slots.to(dev, torch.int32)
 
 
+def req_slots(slot_by_block: torch.Tensor, block_table: torch.Tensor,
+              seq_lens: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Request slot per batch row, from its newest token's block (-1: not held).
+
+    slot_by_block [num_blocks] int32; block_table [R, max_blocks] int32; seq_lens [R]
+    (tokens, the newest included).  # [R] int32"""
+    if block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_table {tuple(block_table.shape)} needs a row per seq_lens "
+                         f"{tuple(seq_lens.shape)}")
+    newest = ((seq_lens.long() - 1).clamp(min=0) // block_tokens).view(-1, 1)  # [R, 1]
+    blocks = torch.gather(block_table.long(), 1, newest).view(-1)  # [R]
+    return slot_by_block[blocks]
+
+
 def token_req_slots(slot_by_block: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, token_to_req: torch.Tensor,
                     is_valid: torch.Tensor, block_tokens: int) -> torch.Tensor:
     """Request slot per token, -1 for padding and for requests outside the hierarchy.
 
-    slot_by_block [num_blocks] int32; block_table [R, max_blocks] int32; seq_lens [R]
-    (tokens, the newest included); token_to_req [T]; is_valid [T] bool.  # [T] int32"""
-    if block_table.shape[0] != seq_lens.shape[0] or token_to_req.shape != is_valid.shape:
-        raise ValueError(f"block_table {tuple(block_table.shape)} needs a row per seq_lens "
-                         f"{tuple(seq_lens.shape)}, token_to_req {tuple(token_to_req.shape)} "
-                         f"an entry per is_valid {tuple(is_valid.shape)}")
-    newest = ((seq_lens.long() - 1).clamp(min=0) // block_tokens).view(-1, 1)  # [R, 1]
-    blocks = torch.gather(block_table.long(), 1, newest).view(-1)  # [R]
-    per_req = slot_by_block[blocks]  # [R]
+    token_to_req [T]; is_valid [T] bool; the rest as :func:`req_slots`.  # [T] int32"""
+    if token_to_req.shape != is_valid.shape:
+        raise ValueError(f"token_to_req {tuple(token_to_req.shape)} needs an entry per "
+                         f"is_valid {tuple(is_valid.shape)}")
+    per_req = req_slots(slot_by_block, block_table, seq_lens, block_tokens)  # [R]
     slots = per_req[token_to_req.long()]  # [T]
     return torch.where(is_valid, slots, torch.full_like(slots, -1)).to(torch.int32)
 
