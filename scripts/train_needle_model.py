@@ -143,6 +143,9 @@ def main() -> int:
     ap.add_argument("--lm-weight", type=float, default=0.1)
     ap.add_argument("--kl-weight", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state", default=None,
+                    help="a file of the f32 weights and the optimiser: resumed from when it "
+                         "exists, written at the end (continues a run in a second call)")
     ap.add_argument("--smoke", action="store_true", help="a few tiny steps on CPU")
     args = ap.parse_args()
     from transformers import AutoConfig, DeepseekV4ForCausalLM
@@ -159,6 +162,13 @@ def main() -> int:
     kl = IndexerKL(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)
+    resumed = bool(args.state) and os.path.exists(args.state)
+    if resumed:
+        state = torch.load(args.state, map_location=dev)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        print(f"resumed from {args.state}", flush=True)
     log = dict(args=vars(args), device=str(torch.cuda.get_device_name(0) if dev.type == "cuda"
                                            else "cpu"), steps=[], evals={})
     t0 = time.time()
@@ -167,7 +177,7 @@ def main() -> int:
                                        ("B", args.len_b, args.batch_b, budget)):
         step = 0
         while time.time() - t0 < until:
-            warm = min(1.0, (step + 1) / 50)
+            warm = 1.0 if resumed else min(1.0, (step + 1) / 50)
             for g in opt.param_groups:
                 g["lr"] = args.lr * warm * (0.3 if stage == "B" else 1.0)
             ids, labels, answer = batch(tok, size, length, rng, dev)
@@ -189,6 +199,10 @@ def main() -> int:
         print(f"stage {stage}: {step} steps, held-out exact match {log['evals'][stage]:.3f}",
               flush=True)
     log["seconds"] = round(time.time() - t0, 1)
+    log["resumed"] = resumed
+    if args.state:
+        torch.save(dict(model=model.state_dict(), opt=opt.state_dict(), rng=rng.getstate()),
+                    args.state)
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(os.path.join(args.out, "hf"), max_shard_size="15MB")
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
