@@ -242,9 +242,8 @@ def capture_resolves(h, cfg, ids, plans):
             h.resolve(s, ids, inputs[i], validate=False)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    # relaxed: the launcher's pinned-memory check queries pointer attributes; a real
-    # synchronisation still fails the capture, and warm-up replays are checked
-    with torch.cuda.graph(g, capture_error_mode="relaxed"):
+    # the default ("global") capture mode, as vLLM captures
+    with torch.cuda.graph(g):
         outputs = [h.resolve(s, ids, inputs[i], validate=False)[0] for i, (s, _) in enumerate(keys)]
     slots = {s: h.source(s).state.req_slot_tensor(ids) for s, _ in keys}  # what the graph reads
     return g, inputs, outputs, stacked, slots

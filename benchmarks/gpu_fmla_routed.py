@@ -275,8 +275,8 @@ def capture(fn):
         fn()  # compiles, plans FlashMLA's tile schedule
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # relaxed: the resolver's launcher queries pinned-pointer attributes at capture
-    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+    # the default ("global") mode, as vLLM captures: a forbidden call anywhere fails it
+    with torch.cuda.graph(graph):
         result = fn()
     return graph, result
 

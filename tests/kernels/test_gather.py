@@ -160,3 +160,30 @@ def test_unpinned_host_is_rejected_cuda():
     args["host_rows"] = torch.zeros(10, 8, dtype=torch.uint8)
     with pytest.raises(ValueError, match="host_rows.*pinned"):
         gather_rows(**args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_launch_from_pinned_host_captures_in_the_default_mode_cuda():
+    """vLLM captures its graphs in the default ("global") mode, which forbids the driver
+    query behind ``is_pinned``: the launcher must not make it while capturing."""
+    g = torch.Generator().manual_seed(5)
+    host = torch.randint(0, 256, (64, 40), dtype=torch.uint8, generator=g).pin_memory()
+    dev = torch.zeros(32, 40, dtype=torch.uint8, device="cuda")
+    src, dst, count = random_misses(g, 4, 6, 64, 32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the eager launch every capture follows
+        gather_rows(host, dev, src, dst, count)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gather_rows(host, dev, src, dst, count)
+    new_src, new_dst, new_count = random_misses(g, 4, 6, 64, 32)
+    src.copy_(new_src), dst.copy_(new_dst), count.copy_(new_count)
+    dev.zero_()
+    want = dev.clone()
+    gather_reference(host, want, src, dst, count)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_rows_equal(dev, want, " (replayed)")

@@ -65,7 +65,15 @@ def test_counters_are_read_and_reset():
                          torch.tensor([320, 100]), torch.tensor([True, True]), cache)
         # request "b" is in the batch but not in the tables: its token is not routed
         assert b.take_counters() == dict(fresh_selections=0, fresh_rows_lost=0,
-                                         unrouted_tokens=1)
+                                         unrouted_tokens=1, lost_requests=set())
         assert b.take_counters()["unrouted_tokens"] == 0
+        # 85 rows written, 80 committed: 5 fresh rows, 2 fit -> "a" is named, "b" is not
+        c = TrackedRequest("b", 90, 10, [[7, 3]])
+        b.write_tables([(a, 340), (c, 100)])
+        routed.locations(local, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), table,
+                         torch.tensor([340, 100]), torch.tensor([True, True]), cache)
+        got = b.take_counters()
+        assert got["fresh_rows_lost"] == 3 and got["lost_requests"] == {"a"}, got
+        assert b.take_counters()["lost_requests"] == set()
     finally:
         b.close()

@@ -406,3 +406,75 @@ def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next
                   for layer in LAYERS}
     check_invariants(h, truth)  # the hierarchy's rows are vLLM's rows of accepted tokens
     w.end_step()
+
+
+# -- item: on CUDA, a step vLLM classes as a decode is served from the hierarchy -------------
+class TableRecorder:
+    """Stands in for the routed decode's tables (decode_binding.py): what the worker
+    asks it to route, before each forward."""
+
+    def __init__(self):
+        self.calls = []
+        self.lost = set()  # requests the next take_counters names
+
+    def write_tables(self, decoding):
+        self.calls.append({req.req_id: tokens for req, tokens in decoding})
+
+    def take_counters(self):
+        lost, self.lost = self.lost, set()
+        return dict(fresh_selections=0, fresh_rows_lost=len(lost), unrouted_tokens=0,
+                    lost_requests=lost)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["cpu", "cuda"])
+def test_short_chunks_and_prefix_hits_are_admitted_before_the_forward_on_cuda(routed):
+    """vLLM's V4 attention serves a step of <= 1 + speculative tokens as a decode; the
+    routed FlashMLA decode reads c4a rows only of admitted requests, so on CUDA such a
+    step admits the request first: a full prefix hit ("c": 29 of 30 tokens cached) and a
+    one-token chunk in the middle of a prompt ("d"), which then goes on with a long
+    chunk (a prefill: upstream) and commits its rows.  On CPU both wait for their
+    prefill to complete."""
+    w = make_worker()
+    rec = TableRecorder()
+    if routed:
+        w.decode_binding = rec
+    w.begin_step(DHiSparseMetadata(step=1, finished={"a"}, requests=[
+        RequestStep("c", 29, 1, prompt_len=30, block_ids=([13, 14], [26, 27, 28, 29]),
+                    replace_blocks=True, max_tokens=10, completes_prefill=True),
+        RequestStep("d", 0, 1, prompt_len=40, block_ids=([15, 16, 17], [30, 31, 32, 33, 34]),
+                    replace_blocks=True, max_tokens=10)]))
+    c, d = w.requests["c"], w.requests["d"]
+    assert (c.admitted, d.admitted) == (routed, routed)
+    if routed:
+        assert rec.calls == [{"c": 30, "d": 1}]
+        assert c.rows == {"l0": 7, "l1": 7} and d.rows == {"l0": 0, "l1": 0}
+    w.end_step()
+    assert c.admitted and d.admitted == routed  # c's prefill completed: admitted either way
+    w.begin_step(DHiSparseMetadata(step=2, requests=[
+        RequestStep("c", 30, 1, prompt_len=30, block_ids=([], []), replace_blocks=False,
+                    max_tokens=10),
+        RequestStep("d", 1, 30, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=10)]))
+    assert not d.failed, d.failed  # a long chunk after an early admission is a prefill
+    if routed:
+        assert rec.calls[-1] == {"c": 31}  # d's 30 tokens are not a decode
+    w.end_step()
+    w.begin_step(DHiSparseMetadata(step=3, requests=[
+        RequestStep("d", 31, 9, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=10, completes_prefill=True)]))
+    assert d.admitted == routed and d.rows.get("l0", 0) == (7 if routed else 0)
+    w.end_step()
+    assert d.admitted and not w.take_failed()
+    check_invariants(w.hierarchy)
+
+
+def test_a_request_whose_step_rows_were_lost_fails_alone():
+    w = make_worker()
+    w.decode_binding = rec = TableRecorder()
+    w.begin_step(STEPS[0]["meta"])
+    rec.lost = {"a"}  # the routed decode could not stage a's rows of this step
+    w.end_step()
+    assert set(w.take_failed()) == {"a"} and "a" not in w.hierarchy.requests
+    w.begin_step(STEPS[1]["meta"])  # the engine goes on: "b" completes its prefill
+    w.end_step()
+    assert w.requests["b"].admitted and not w.take_failed()

@@ -19,11 +19,11 @@ replays it while requests come and go:
 4. FlashMLA's ``extra_topk_length`` is computed as vLLM computes it.
 
 A valid token whose request the hierarchy does not hold reads nothing from the extra
-cache (locations -1); ``counters`` counts such tokens and fresh rows that did not fit,
-batch-wide (they do not name the request).  Not served yet: vLLM 0.33 classes a short
-prefill chunk or a full prefix-cache hit as a decode, and such a request is not admitted
-until its prefill completes; its rows would have to be copied from vLLM's blocks
-(``shared/notes/gpu_path.md`` §3, step 6).
+cache (locations -1); ``counters`` counts such tokens batch-wide (they have no slot), and
+``lost_by_slot`` the fresh rows that did not fit per request slot, so that the worker
+can fail that request.  vLLM 0.33 classes every step of at most 1 + speculative tokens
+as a decode, a short last prompt chunk or a full prefix-cache hit too: the worker
+admits such a request before the forward (worker_side.py), so the hierarchy holds it.
 """
 from __future__ import annotations
 
@@ -90,6 +90,8 @@ class RoutedDecode:
         self.slot_by_block = torch.full((num_vllm_blocks,), -1, dtype=torch.int32,
                                         device=dev)  # [blocks] int32
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=dev)
+        self.lost_by_slot = torch.zeros(slots + 1, dtype=torch.int64,
+                                        device=dev)  # [S + 1] int64, row S: no slot
         rows = parts.pool.device_rows
         self.pool_view = L.one_block_view(rows.storage, rows.num_rows)  # [1, R, 1, 584]
         self._planes = [p for _, p in rows.planes]  # data [R, 576], scales [R, 8]
@@ -120,7 +122,10 @@ class RoutedDecode:
         committed = torch.where(held, st.seq_lens[safe], 0)  # [N] int32 rows in the hierarchy
         written = torch.div(seq_lens.long(), 4, rounding_mode="floor")  # [N] rows vLLM holds
         fresh_n = torch.where(held, (written - committed).clamp(min=0), 0)  # [N]
-        self.counters[COUNTER_FRESH_LOST] += (fresh_n - self.fresh_rows).clamp(min=0).sum()
+        lost = (fresh_n - self.fresh_rows).clamp(min=0)  # [N]
+        self.counters[COUNTER_FRESH_LOST] += lost.sum()
+        self.lost_by_slot.index_add_(0, torch.where(held, slot, self.staging.shape[0]).long(),
+                                     lost)
         fresh_n = fresh_n.clamp(max=self.fresh_rows).to(torch.int32)
         fresh_dst = self.staging[safe, -self.fresh_rows:]  # [N, F] int32
         self._copy_fresh(vllm_cache, block_table, committed, fresh_n, fresh_dst)

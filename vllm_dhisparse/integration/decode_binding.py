@@ -9,7 +9,9 @@ rewrites each layer's ``slot_by_block``: the block of an admitted request's newe
 asynchronous scheduling the device's ``seq_lens`` can run one step ahead of the host's
 view and put the newest token there.  After the forward, :meth:`take_counters` reads the
 routing's counters (one device read per step): tokens the hierarchy did not serve mean
-a request reached decode without being admitted, which the worker reports.
+a request reached decode without being admitted, which the worker reports, and a
+request whose rows of the step did not fit its staging rows is named, so that the
+worker fails it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class DecodeBinding:
                  fresh_rows: dict[str, int]):
         self.hierarchy, self.layers = hierarchy, layers
         self.routed: dict[str, D.RoutedDecode] = {}
+        self.slot_reqs: dict[str, dict[int, str]] = {}  # per layer: slot -> request, this step
         for name, layer in layers.items():
             arenas = hierarchy.source(name).arenas
             if arenas is None:
@@ -51,25 +54,37 @@ class DecodeBinding:
             layer = self.layers[name]
             block_tokens = layer.rows_per_block * layer.compress_ratio
             blocks, slots = [], []
+            self.slot_reqs[name] = {}
             for req, tokens in decoding:
                 ids = req.block_ids[layer.group]
                 newest = (tokens - 1) // block_tokens
                 slot = self.hierarchy.req_slot_of(name, req.req_id)
+                self.slot_reqs[name][slot] = req.req_id
                 for b in ids[newest:newest + 1 + LOOKAHEAD_BLOCKS]:
                     blocks.append(b)
                     slots.append(slot)
             R.write_slot_by_block(routed.slot_by_block, torch.tensor(blocks, dtype=torch.int64),
                                   torch.tensor(slots, dtype=torch.int32))
 
-    def take_counters(self) -> dict[str, int]:
-        """The routing counters summed over layers since the last call (one device read)."""
-        total = torch.stack([r.counters for r in self.routed.values()]).sum(0)
-        for r in self.routed.values():
+    def take_counters(self) -> dict:
+        """The routing counters summed over layers since the last call, and the requests
+        that lost rows of the step (``lost_requests``); one device read."""
+        routed = list(self.routed.values())
+        got = torch.cat([torch.stack([r.counters for r in routed]).sum(0)]
+                        + [r.lost_by_slot for r in routed]).tolist()
+        for r in routed:
             r.counters.zero_()
-        got = total.tolist()
+            r.lost_by_slot.zero_()
+        lost, at = set(), D.NUM_COUNTERS
+        for name, r in self.routed.items():
+            n = r.lost_by_slot.shape[0]
+            owners = self.slot_reqs.get(name, {})
+            lost |= {owners.get(slot, f"<slot {slot} of {name}>")
+                     for slot, count in enumerate(got[at:at + n]) if count}
+            at += n
         return dict(fresh_selections=got[D.COUNTER_FRESH],
                     fresh_rows_lost=got[D.COUNTER_FRESH_LOST],
-                    unrouted_tokens=got[D.COUNTER_UNROUTED])
+                    unrouted_tokens=got[D.COUNTER_UNROUTED], lost_requests=lost)
 
     def close(self) -> None:
         cuda_attention.unbind_all()

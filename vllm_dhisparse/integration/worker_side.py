@@ -132,23 +132,29 @@ class WorkerSide:
                 h.preempt(replaced.req_id)
             if req.failed:
                 continue
-            if req.admitted and rs.num_scheduled_tokens > self.max_queries:
+            as_decode = rs.num_scheduled_tokens <= self.max_queries
+            if req.admitted and req.prefill_complete and not as_decode:
                 failures.fail(req, f"{rs.num_scheduled_tokens} tokens scheduled in one step "
                                    f"after the prefill; the hierarchy serves at most "
                                    f"{self.max_queries} (1 + speculative tokens)")
                 continue
+            # vLLM's V4 attention classes any step of <= 1 + speculative tokens as a decode:
+            # on CUDA the routed decode serves those, so a last prompt chunk that short or a
+            # full prefix-cache hit is admitted now, before the forward, from the rows
+            # computed so far (the routed decode copies the step's own rows)
+            admit_now = req.prefill_complete or (self.decode_binding is not None and as_decode)
             with failures.isolated(req):
-                if not req.admitted and req.prefill_complete:
-                    admissions.admit(req)  # retry: no device room when its prefill completed
+                if not req.admitted and admit_now:
+                    admissions.admit(req)  # or a retry: no device room at an earlier step
                 if req.admitted:
                     admissions.commit(req)
-            if self.decode_binding is not None and req.prefill_complete and not req.admitted \
+            if self.decode_binding is not None and admit_now and not req.admitted \
                     and not req.failed:
                 # the routed FlashMLA decode reads no c4a row for it: fail it, never answer
                 failures.fail(req, "decoding without a place in the hierarchy (no device "
                                    "room); on CUDA only admitted requests decode")
                 continue
-            if req.admitted:
+            if req.admitted and as_decode:
                 decoding.append((req, rs.num_scheduled_tokens))
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
         admissions.append_committed()
@@ -175,6 +181,11 @@ class WorkerSide:
                              "rows and lost %d rows of the step (a routing table out of step "
                              "with vLLM's batch)", lost["unrouted_tokens"],
                              lost["fresh_rows_lost"])
+            for rid in lost["lost_requests"]:
+                req = self.requests.get(rid)
+                if req is not None and not req.failed:
+                    self.failures.fail(req, "rows its compressor wrote in this step did not "
+                                            "fit the routed decode's staging rows")
         self.admissions.admit_completed_prefills(self.requests, self.step_req_ids)
         self.hierarchy.step()
         self.failures.take_hierarchy_failures()

@@ -79,6 +79,14 @@ def default_blocks_per_row(n_batch: int) -> int:
     return max(4, min(32, triton.next_power_of_2(triton.cdiv(256, max(n_batch, 1)))))
 
 
+def _pinned_or_capturing(host_rows: torch.Tensor) -> bool:
+    """``is_pinned`` queries the driver, which a CUDA graph capture in the default
+    (global) mode forbids; a captured launch replays the eager launch before it, which
+    every capture follows (vLLM's warm-up, torch's side-stream recipe) and which checked
+    the same tensor."""
+    return torch.cuda.is_current_stream_capturing() or host_rows.is_pinned()
+
+
 def check_rows(host_rows, device_rows) -> None:
     """Validates a host/device row pair for a copy (gather_rows, fused resolve copy)."""
     for name, t in (("host_rows", host_rows), ("device_rows", device_rows)):
@@ -96,7 +104,7 @@ def check_rows(host_rows, device_rows) -> None:
         raise ValueError(f"device_rows is on {dev}: gather_rows needs a CUDA tensor (or CPU "
                          f"with TRITON_INTERPRET=1); use gather_reference on CPU")
     if host_rows.device != dev and not (host_rows.device.type == "cpu" and dev.type == "cuda"
-                                        and host_rows.is_pinned()):
+                                        and _pinned_or_capturing(host_rows)):
         raise ValueError(f"host_rows is on {host_rows.device} "
                          f"(pinned={host_rows.device.type == 'cpu' and host_rows.is_pinned()}); "
                          f"it must be on {dev} like device_rows, or in pinned CPU memory")
