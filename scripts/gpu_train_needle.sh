@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Trains the passkey model (scripts/train_needle_model.py) in one device call and brings
-# back the vLLM checkpoint (convert_needle_model.py, bf16 shards of <= 15 MB) and the log.
+# back the vLLM checkpoint (convert_needle_model.py, bf16 shards of <= 15 MB: four with the
+# index and checksums, within a call's 8 returned files) and the log.
 # The device image has transformers 5.17, whose DeepSeek-V4 differs from the 5.19 the
 # scripts are written for, so 5.19 travels as a tarball made here first:
 #   tar -C .venv/lib/python3.11/site-packages --exclude=__pycache__ -cJf .transformers.tar.xz transformers
@@ -23,6 +24,11 @@ export PYTHONPATH="$WORK/py${PYTHONPATH:+:$PYTHONPATH}"
 } | tee "$OUT/train.log"
 python3 scripts/train_needle_model.py --out "$WORK/run" --minutes "${MINUTES:-8}" \
     ${STATE:+--state "$STATE"} ${TRAIN_ARGS:-} 2>&1 | tee -a "$OUT/train.log"
-python3 scripts/convert_needle_model.py --hf "$WORK/run/hf" --out "$OUT/needle_model" \
+python3 scripts/convert_needle_model.py --hf "$WORK/run/hf" --out "$WORK/native" \
     --like demo_model 2>&1 | tee -a "$OUT/train.log"
+# a call brings back at most 8 files: the weights, their index and checksums; the config
+# and tokenizer are the demo model's (convert_needle_model.py copies them)
+mkdir -p "$OUT/needle_model"
+cp "$WORK"/native/model-*.safetensors "$WORK/native/model.safetensors.index.json" \
+    "$WORK/native/SHA256SUMS" "$OUT/needle_model/"
 cp "$WORK/run/train_log.json" "$OUT/"

@@ -257,6 +257,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model directory (e.g. the demo model)")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[600])
+    ap.add_argument("--prompts-file", default=None,
+                    help="a JSON list of prompts as token id lists, instead of --prompt-lens' "
+                         "seeded random prompts")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[16],
                     help="one value, or one per prompt (requests finish at different times)")
     ap.add_argument("--connector", default=None,
@@ -317,6 +320,10 @@ def main(argv=None) -> int:
     llm = build_llm(args, stats_file)
     load_s = time.time() - t0
     prompts = []
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts = [list(map(int, ids)) for ids in json.load(f)]
+        args.prompt_lens = []
     for i, n in enumerate(args.prompt_lens):
         ids = prompt_ids(n, args.seed + i)
         if args.repeat_prompt:
