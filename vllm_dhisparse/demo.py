@@ -1,16 +1,19 @@
 """The main job: the same prompt served without and with the DHiSparse connector.
 
-    python -m vllm_dhisparse.demo                  # built-in tiny DeepSeek-V4 model, CPU
+    python -m vllm_dhisparse.demo                  # the trained passkey model, CPU
     python -m vllm_dhisparse.demo --model DIR      # your model (a GPU machine with vllm==0.33)
 
-Steps, each announced: build the demo model (no downloads); start vLLM's
-OpenAI-compatible server on 127.0.0.1 without the connector (RESIDENT serving),
-send one greedy ``/v1/completions`` request with logprobs, stop it; start the
-same server with ``DHiSparseConnector``, send the same request, stop it; then
-compare the two answers token by token and logprob by logprob, and say where
-the rows attention read came from (selections resolved direct / through the hot
-cache / from host, rows and bytes fetched from host).  The demo model's text is
-noise: the comparison is the point.  Exit code 1 if the answers differ.
+Steps, each announced: check the trained tiny DeepSeek-V4 in ``models/needle_v4``
+against its SHA256SUMS (no downloads); build a 7,200-token prompt that hides a five-digit
+pass key among distractor keys (scripts/needle_data.py) and asks for it at the end;
+start vLLM's OpenAI-compatible server on 127.0.0.1 without the connector (RESIDENT
+serving), send the prompt as one greedy ``/v1/completions`` request with logprobs, stop
+it; start the same server with ``DHiSparseConnector``, send the same request, stop it;
+then print both answers next to the pass key, compare them token by token and logprob by
+logprob, and say where the rows attention read came from (selections resolved direct /
+through the hot cache / from host, rows and bytes fetched from host).  Exit code 1 if
+the answers differ.  With ``--model`` the prompt is a repeated sentence and the
+comparison is the point.
 """
 from __future__ import annotations
 
@@ -38,10 +41,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TRAINED = os.path.join(REPO, "models", "needle_v4")
+NEEDLE_SEED, NEEDLE_DEPTH = 11, 0.35  # the demo's prompt: its key, distractors and filler
+
+
 def build_demo_model(out: str) -> str:
     script = os.path.join(REPO, "scripts", "build_demo_model.py")
     subprocess.run([sys.executable, script, "--out", out], check=True)
     return out
+
+
+def verified_model(path: str = TRAINED) -> str:
+    """The committed trained model, every file checked against its SHA256SUMS."""
+    import hashlib
+    sums = os.path.join(path, "SHA256SUMS")
+    if not os.path.exists(sums):
+        raise SystemExit(f"{sums} is missing: the trained model is part of the repository "
+                         f"(a partial clone? run `git checkout -- models`)")
+    with open(sums) as f:
+        for line in filter(None, (ln.strip() for ln in f)):
+            digest, name = line.split(maxsplit=1)
+            h = hashlib.sha256()
+            with open(os.path.join(path, name.lstrip("*")), "rb") as g:
+                for chunk in iter(lambda: g.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != digest:
+                raise SystemExit(f"{path}/{name}: SHA-256 {h.hexdigest()} does not match "
+                                 f"SHA256SUMS ({digest}); restore it with `git checkout -- "
+                                 f"models`")
+    return path
+
+
+def passkey_prompt(model: str, tokens: int):
+    """scripts/needle_data.py's prompt of about ``tokens`` tokens (the demo's seed)."""
+    import random
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import needle_data
+    return needle_data.make(needle_data.tokenizer(model), tokens, random.Random(NEEDLE_SEED),
+                            depth=NEEDLE_DEPTH)
 
 
 def server_command(model: str, port: int, extra: dict | None, max_model_len: int) -> list[str]:
@@ -146,11 +183,12 @@ def serve_once(model: str, extra: dict | None, spec_cmd: list, env: dict, prompt
     try:
         t0 = time.time()
         wait_healthy(url, proc, args.timeout)
-        _say(f"{label}: server healthy after {time.time() - t0:.0f} s; sending the prompt "
-             f"({args.prompt_words} words)")
+        _say(f"{label}: server healthy after {time.time() - t0:.0f} s; sending the prompt")
         t0 = time.time()
-        choice = complete(url, model, prompt, args.max_tokens)["choices"][0]
-        _say(f"{label}: answer after {time.time() - t0:.1f} s: {choice['text']!r}")
+        body = complete(url, model, prompt, args.max_tokens)
+        choice = body["choices"][0]
+        _say(f"{label}: answer after {time.time() - t0:.1f} s "
+             f"({body['usage']['prompt_tokens']} prompt tokens): {choice['text']!r}")
         return choice
     except Exception:
         log.flush()
@@ -191,12 +229,20 @@ def where_rows_came_from(stats: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model directory or name; default: built-in demo model")
+    ap.add_argument("--model", default=None,
+                    help="model directory or name; default: the trained passkey model "
+                         "(models/needle_v4)")
+    ap.add_argument("--random-model", action="store_true",
+                    help="the seeded random demo model instead (built in --demo-dir; its "
+                         "text is noise)")
     ap.add_argument("--demo-dir", default=os.path.join(REPO, "demo_model"),
-                    help="where the built-in demo model is built (default: ./demo_model)")
+                    help="where the random demo model is built (default: ./demo_model)")
+    ap.add_argument("--prompt-tokens", type=int, default=7200,
+                    help="length of the passkey prompt (the trained model)")
     ap.add_argument("--prompt-words", type=int, default=700,
-                    help="length of the demo prompt in words (long enough for host fetches)")
-    ap.add_argument("--max-tokens", type=int, default=24)
+                    help="length of the prompt for --model / --random-model, in words")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="tokens to generate (default: the pass key's, else 24)")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--extra-config", default='{"hot_cache_rows": 512, "optional_residency": false}',
                     help="kv_connector_extra_config JSON (see README for the keys)")
@@ -210,10 +256,19 @@ def main(argv=None) -> int:
                          "test_spec_hierarchy.py shows acceptance with the DSpark oracle")
     args = ap.parse_args(argv)
 
-    model = args.model
-    if model is None:
-        _say(f"building the demo model in {args.demo_dir}")
+    model, needle = args.model, None
+    if model is None and args.random_model:
+        _say(f"building the random demo model in {args.demo_dir}")
         model = build_demo_model(args.demo_dir)
+    elif model is None:
+        _say(f"checking the trained passkey model in {TRAINED} against its SHA256SUMS")
+        model = verified_model()
+        needle = passkey_prompt(model, args.prompt_tokens)
+        _say(f"prompt: {len(needle.ids)} tokens of filler text with the pass key "
+             f"{needle.answer.strip(' .')} at token {needle.needle_token} and 3 distractor "
+             f"keys; it ends {needle.text[-60:]!r}")
+    if args.max_tokens is None:
+        args.max_tokens = len(needle.answer_ids) if needle else 24
     work = tempfile.mkdtemp(prefix="dhisparse-demo-")
     stats_file = os.path.join(work, "stats.json")
     extra = dict(json.loads(args.extra_config), stats_file=stats_file)
@@ -224,7 +279,8 @@ def main(argv=None) -> int:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with DFlash2 / DSpark
     words = ("the hierarchy keeps every row of history in host memory and only the "
              "selected rows reach attention").split()
-    prompt = " ".join(words[i % len(words)] for i in range(args.prompt_words))
+    prompt = needle.text if needle else " ".join(words[i % len(words)]
+                                                 for i in range(args.prompt_words))
     resident = None
     if not args.no_compare:
         resident = serve_once(model, None, spec_cmd, env, prompt, args,
@@ -236,6 +292,11 @@ def main(argv=None) -> int:
             where_rows_came_from(json.load(f))
     else:
         _say("no connector counters were written (no decode step went through the hierarchy)")
+    if needle is not None:
+        for label, choice in (("without the connector", resident), ("with the connector", connector)):
+            if choice is not None:
+                verdict = "the pass key" if choice["text"] == needle.answer else "NOT the pass key"
+                _say(f"{label}: {choice['text']!r} is {verdict} ({needle.answer!r})")
     if resident is not None and not compare(resident, connector):
         return 1
     return 0
