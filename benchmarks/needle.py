@@ -23,7 +23,8 @@ Per cell: the accuracy of each arm, whether the connector's tokens and logprobs 
 resident serving's for every prompt, and, per length (one run), the share of selections
 served from host.  ``--ablation`` adds HF transformers' forward (float32, teacher-forced
 argmax, CPU) of the same prompts with and without the pass key's compressed entries
-removed from the c4a layers' top-k (the c128a layer keeps its dense view).
+removed from the c4a layers' top-k (the c128a layer keeps its dense view), on the first
+prompt of every cell.
 
 Writes ``<out>.json`` (device, date, commit, every prompt's answers) and ``<out>.png``
 (accuracy heatmaps per arm).
@@ -204,7 +205,8 @@ def main() -> int:
             print(f"{arm:9s} {length:5d}: "
                   f"{sum(answered(per_prompt[arm][i], prompts[i]) for i in idx)}/{len(idx)} "
                   f"answered ({r['wall_s']} s)", flush=True)
-    abl = ablation(args.model, prompts) if args.ablation else []
+    # the first prompt of every cell (HF's eager float32 forward is slow on CPU)
+    abl = ablation(args.model, prompts[::args.per_cell]) if args.ablation else []
     res["ablation"] = abl
     for length in args.lengths:
         host = res["runs"][f"connector/{length}"]["totals"]
