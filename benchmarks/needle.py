@@ -15,9 +15,11 @@ Arms (vLLM on this machine, offline, every prompt of one length submitted at onc
 * ``connector``: ``device_window_tokens`` 512, a hot cache of 2 k rows (k = the indexer's
   top-k), so most of a prompt's compressed history sits on host and residency reclaims
   optional history while the prompts are admitted;
-* ``control``: the connector with one resolved location of every layer call pointed at
-  another selected row (tests/fault_injection.py): if retrieval did not depend on the
-  rows the hierarchy serves, this would not hurt.
+* ``control``: the connector with a corrupted mapping, every resolved location pointed
+  half the storage away (tests/fault_injection.py ``scramble``): if the answers did not
+  depend on the rows the hierarchy maps, this would not hurt them.  (The E2E tests'
+  control, one location per layer call moved to another selected row, changes logprobs
+  but not these answers: one row of 512.)
 
 Per cell: the accuracy of each arm, whether the connector's tokens and logprobs equal
 resident serving's for every prompt, and, per length (one run), the share of selections
@@ -86,7 +88,7 @@ def run_arm(model: str, arm: str, prompts: list[dict], max_num_seqs: int, log: P
         cmd += ["--connector", json.dumps(ARMS[arm])]
     if arm == "control":
         cmd += FAULTY
-        env["DHISPARSE_TEST_FAULTS"] = "corrupt"
+        env["DHISPARSE_TEST_FAULTS"] = "scramble"
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     os.unlink(f.name)

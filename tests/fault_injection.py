@@ -7,7 +7,10 @@ A fault is ``POINT:PREFIX``: requests whose id starts with PREFIX fail at POINT.
 * ``resolve``: the request's share of a layer's resolve raises;
 * ``backup``: the request's first host backup fails (``HostBackupError``);
 * ``corrupt`` (no prefix): one resolved location of every layer call points at another
-  selected row, so outputs must differ from resident serving (the tests can fail).
+  selected row, so outputs must differ from resident serving (the tests can fail);
+* ``scramble`` (no prefix): every resolved location points half the storage away, at
+  rows of other positions or requests (the needle benchmark's control: retrieval must
+  fail when the mapping is wrong, not only the logprobs change).
 
 Unit tests build :class:`FaultyWorkerSide` with their faults.  E2E runs select
 :class:`FaultInjectingConnector` (``offline_run --connector-class
@@ -29,7 +32,8 @@ from vllm_dhisparse.integration.worker_side import WorkerSide
 
 from tests.hierarchy_faults import fail_next_backup
 
-POINTS = ("admit", "append", "resolve", "backup", "corrupt")
+POINTS = ("admit", "append", "resolve", "backup", "corrupt", "scramble")
+GLOBAL = ("corrupt", "scramble")  # points that take no request prefix
 ENV = "DHISPARSE_TEST_FAULTS"
 
 
@@ -38,7 +42,7 @@ def parse(value: str) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for item in filter(None, (v.strip() for v in value.split(","))):
         point, _, prefix = item.partition(":")
-        if point not in POINTS or (point != "corrupt" and not prefix):
+        if point not in POINTS or (point not in GLOBAL and not prefix):
             raise ValueError(f"fault {item!r}: expected POINT:PREFIX, POINT one of {POINTS}")
         out[point] = out.get(point, ()) + (prefix,)
     return out
@@ -85,6 +89,8 @@ class FaultyContext(StepContext):
         locs = super().resolve(*args, **kwargs)
         if "corrupt" in self.faults:
             corrupt_one(locs)
+        if "scramble" in self.faults:
+            scramble(locs)
         return locs
 
 
@@ -96,6 +102,14 @@ def corrupt_one(locs: torch.Tensor) -> None:
         a, b = int(valid[0]), int(valid[1])
         if int(flat[a]) != int(flat[b]):
             flat[a] = flat[b]
+
+
+def scramble(locs: torch.Tensor) -> None:
+    """Every valid location moves half the used storage rows away (wrapping)."""
+    valid = locs >= 0
+    if valid.any():
+        rows = int(locs.max()) + 1
+        locs.copy_(torch.where(valid, (locs + max(1, rows // 2)) % rows, locs))
 
 
 class FaultyWorkerSide(WorkerSide):
