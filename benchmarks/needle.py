@@ -1,8 +1,8 @@
-"""Passkey retrieval of the trained tiny DeepSeek-V4 (``needle_model``), resident serving
+"""Passkey retrieval of the trained tiny DeepSeek-V4 (``models/needle_v4``), resident serving
 against the connector under memory pressure, with the corrupted-mapping control and an
 ablation of the indexer's top-k.
 
-    python benchmarks/needle.py --model needle_model --out benchmarks/results/needle
+    python benchmarks/needle.py --out benchmarks/results/needle --ablation
 
 Prompts: scripts/needle_data.py (a five-digit pass key and three distractor keys in filler
 text, the question at the end), ``--per-cell`` prompts for every ``--lengths`` x ``--depths``
@@ -177,7 +177,7 @@ def plot(res: dict, path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(ROOT / "needle_model"))
+    ap.add_argument("--model", default=str(ROOT / "models" / "needle_v4"))
     ap.add_argument("--out", required=True, help="results path without extension")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 6144, 8000])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])

@@ -4,7 +4,7 @@
     python -m vllm_dhisparse.demo --model DIR      # your model (a GPU machine with vllm==0.33)
 
 Steps, each announced: check the trained tiny DeepSeek-V4 in ``models/needle_v4``
-against its SHA256SUMS (no downloads); build a 7,200-token prompt that hides a five-digit
+against its SHA256SUMS (no downloads); build a prompt of about 7,200 tokens that hides a five-digit
 pass key among distractor keys (scripts/needle_data.py) and asks for it at the end;
 start vLLM's OpenAI-compatible server on 127.0.0.1 without the connector (RESIDENT
 serving), send the prompt as one greedy ``/v1/completions`` request with logprobs, stop
@@ -52,7 +52,7 @@ def build_demo_model(out: str) -> str:
 
 
 def verified_model(path: str = TRAINED) -> str:
-    """The committed trained model, every file checked against its SHA256SUMS."""
+    """The committed trained model, every file its SHA256SUMS lists checked."""
     import hashlib
     sums = os.path.join(path, "SHA256SUMS")
     if not os.path.exists(sums):
@@ -62,6 +62,9 @@ def verified_model(path: str = TRAINED) -> str:
         for line in filter(None, (ln.strip() for ln in f)):
             digest, name = line.split(maxsplit=1)
             h = hashlib.sha256()
+            if not os.path.exists(os.path.join(path, name.lstrip("*"))):
+                raise SystemExit(f"{path}/{name} is missing; restore it with `git checkout -- "
+                                 f"models`")
             with open(os.path.join(path, name.lstrip("*")), "rb") as g:
                 for chunk in iter(lambda: g.read(1 << 20), b""):
                     h.update(chunk)

@@ -1,6 +1,8 @@
-"""``make demo`` does what the README says: the same greedy request to vLLM's server
-without and with the connector, answers compared token by token and logprob by
-logprob, and where the rows came from."""
+"""``make demo`` does what the README says: the trained model asked for a pass key by
+vLLM's server without and with the connector, answers compared token by token and
+logprob by logprob, and where the rows came from.  (The other E2E tests serve the seeded
+random demo model: its logits depend on every row attention reads, so any wrong row
+shows in the logprobs, where the trained model's confident answers could hide it.)"""
 import re
 
 import pytest
@@ -10,13 +12,18 @@ from vllm_dhisparse import demo
 pytestmark = pytest.mark.e2e
 
 
-def test_demo_serves_both_ways_and_compares(demo_model, capsys):
-    """The default prompt (2,104 tokens: host fetches, chunked prefill).  Without the
-    same CPU reservation in both arms (demo.server_env) the logprobs differ from the
-    7th token on: vLLM gives the connector arm's worker another thread count."""
-    rc = demo.main(["--model", demo_model, "--max-tokens", "10", "--timeout", "600"])
+def test_demo_finds_the_pass_key_both_ways_and_compares(capsys):
+    """``make demo`` as a fresh clone runs it: the trained model (its checksums checked),
+    the 7,158-token passkey prompt, both servers answer the key, tokens and logprobs are
+    identical, and part of what attention read came from host.  Without the same CPU
+    reservation in both arms (demo.server_env) the logprobs differ after a few tokens:
+    vLLM gives the connector arm's worker another thread count."""
+    rc = demo.main(["--timeout", "600"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    key = re.search(r"with the pass key (\d{5}) at token", out)
+    assert key, out
+    assert out.count(f"' {key.group(1)}.' is the pass key") == 2, out
     assert "identical tokens; logprobs bit-identical" in out, out
     assert "rows attention read through the hierarchy" in out, out
     fetched = re.search(r"(\d+) rows \(\d+ bytes\) copied from host", out)

@@ -478,3 +478,23 @@ def test_a_request_whose_step_rows_were_lost_fails_alone():
     w.begin_step(STEPS[1]["meta"])  # the engine goes on: "b" completes its prefill
     w.end_step()
     assert w.requests["b"].admitted and not w.take_failed()
+
+
+def test_on_cuda_a_decode_step_without_room_fails_that_request_alone():
+    """Two request slots: "a" holds one, the prefix hit "c" takes the other, the short
+    chunk "d" finds none: on CUDA it is failed before the forward and never routed."""
+    w = make_worker()
+    w.decode_binding = rec = TableRecorder()
+    w.begin_step(DHiSparseMetadata(step=1, requests=[
+        RequestStep("a", 40, 1, prompt_len=40, block_ids=([], []), replace_blocks=False,
+                    max_tokens=40),
+        RequestStep("c", 29, 1, prompt_len=30, block_ids=([13, 14], [26, 27, 28, 29]),
+                    replace_blocks=True, max_tokens=10, completes_prefill=True),
+        RequestStep("d", 0, 1, prompt_len=40, block_ids=([15, 16, 17], [30, 31, 32, 33, 34]),
+                    replace_blocks=True, max_tokens=10)]))
+    assert rec.calls == [{"a": 41, "c": 30}]
+    assert w.requests["a"].admitted and w.requests["c"].admitted
+    assert "no room in the hierarchy" in (w.requests["d"].failed or "")
+    w.end_step()
+    assert set(w.take_failed()) == {"d"}
+    check_invariants(w.hierarchy)

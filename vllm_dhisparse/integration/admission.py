@@ -56,8 +56,7 @@ class Admissions:
         imported = {name: self._vllm_rows(req, layer, 0, self.committed_rows(req, layer))
                     for name, layer in self.layers.items()}
         if not self.hierarchy.admit(req.req_id, self.max_rows(req), imported):
-            logger.warning("DHiSparse: no device room to admit %s now; it reads vLLM's cache "
-                           "this step", req.req_id)
+            logger.warning("DHiSparse: no room in the hierarchy to admit %s now", req.req_id)
             return
         req.admitted = True
         req.rows = {name: imported[name].shape[0] for name in self.layers}

@@ -138,10 +138,11 @@ class WorkerSide:
                                    f"after the prefill; the hierarchy serves at most "
                                    f"{self.max_queries} (1 + speculative tokens)")
                 continue
-            # vLLM's V4 attention classes any step of <= 1 + speculative tokens as a decode:
-            # on CUDA the routed decode serves those, so a last prompt chunk that short or a
-            # full prefix-cache hit is admitted now, before the forward, from the rows
-            # computed so far (the routed decode copies the step's own rows)
+            # vLLM's V4 attention classes any step of <= 1 + speculative tokens as a decode
+            # (without parallel drafting on model runner V1, which adds the speculative
+            # tokens again): on CUDA the routed decode serves those, so a prompt chunk that
+            # short or a full prefix-cache hit is admitted now, before the forward, from the
+            # rows computed so far (the routed decode copies the step's own rows)
             admit_now = req.prefill_complete or (self.decode_binding is not None and as_decode)
             with failures.isolated(req):
                 if not req.admitted and admit_now:
@@ -151,18 +152,20 @@ class WorkerSide:
             if self.decode_binding is not None and admit_now and not req.admitted \
                     and not req.failed:
                 # the routed FlashMLA decode reads no c4a row for it: fail it, never answer
-                failures.fail(req, "decoding without a place in the hierarchy (no device "
-                                   "room); on CUDA only admitted requests decode")
+                failures.fail(req, "no room in the hierarchy (request slots, device pages or "
+                                   "host extent) for a step vLLM serves as a decode; on CUDA "
+                                   "only admitted requests decode")
                 continue
             if req.admitted and as_decode:
-                decoding.append((req, rs.num_scheduled_tokens))
+                decoding.append((req, rs.num_scheduled_tokens, req.prefill_complete))
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
         admissions.append_committed()
         if self.decode_binding is not None:
             self.decode_binding.write_tables(
-                [(req, req.num_computed_tokens + k) for req, k in decoding
+                [(req, req.num_computed_tokens + k) for req, k, _ in decoding
                  if req.admitted and not req.failed])
-        self.verify_queries.extend(k for req, k in decoding if req.admitted and not req.failed)
+        self.verify_queries.extend(k for req, k, after_prefill in decoding
+                                   if after_prefill and req.admitted and not req.failed)
         self.context = self.context_cls(h, self.layers, self.requests, self.vllm_cache,
                                         failures, self.served, self.fresh_rows, self.time_resolve)
         step_context.bind(self.context)
@@ -178,9 +181,10 @@ class WorkerSide:
             lost = self.decode_binding.take_counters()
             if lost["unrouted_tokens"] or lost["fresh_rows_lost"]:
                 logger.error("DHiSparse: the routed decode served %d tokens without their c4a "
-                             "rows and lost %d rows of the step (a routing table out of step "
-                             "with vLLM's batch)", lost["unrouted_tokens"],
-                             lost["fresh_rows_lost"])
+                             "rows (a routing table out of step with vLLM's batch) and lost "
+                             "%d rows of the step that did not fit the staging rows (%s)",
+                             lost["unrouted_tokens"], lost["fresh_rows_lost"],
+                             ", ".join(sorted(lost["lost_requests"])) or "-")
             for rid in lost["lost_requests"]:
                 req = self.requests.get(rid)
                 if req is not None and not req.failed:
