@@ -165,7 +165,7 @@ def decode_case(kernel, cfg, dev) -> dict:
             l_r is None or equal(l_r[served], l_v[served])) and bool((loc[~served] == -1).all())
         counted = (counters[D.COUNTER_FRESH] == want["fresh"]
                    and counters[D.COUNTER_UNROUTED] == want["unrouted"]
-                   and counters[D.COUNTER_FRESH_LOST] == 0)
+                   and int(sc.rd.lost_by_slot.sum()) == 0)
         res["steps"].append(dict(equal=ok, counted=counted, tokens=want["tokens"],
                                  fresh_selections=counters[D.COUNTER_FRESH],
                                  unrouted=counters[D.COUNTER_UNROUTED]))

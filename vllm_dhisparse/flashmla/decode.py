@@ -8,7 +8,7 @@ finds them with fixed shapes and no host read, so a FULL CUDA graph captures it 
 replays it while requests come and go:
 
 1. the request slot of every decode row from its newest token's block
-   (``routing.token_req_slots``); padding rows and rows of requests the hierarchy
+   (``routing.req_slots``); padding rows and rows of requests the hierarchy
    does not hold get -1;
 2. rows the compressor wrote in this very step (``committed <= row < seq_len // 4``,
    at most ``fresh_rows`` per request) are copied from vLLM's blocks into the last
@@ -37,9 +37,8 @@ from . import layout as L
 from . import routing as R
 
 COUNTER_FRESH = 0  # selections of rows written in this step
-COUNTER_FRESH_LOST = 1  # fresh rows beyond ``fresh_rows`` per request (served as -1)
-COUNTER_UNROUTED = 2  # valid tokens of requests the hierarchy does not hold
-NUM_COUNTERS = 3
+COUNTER_UNROUTED = 1  # valid tokens of requests the hierarchy does not hold
+NUM_COUNTERS = 2
 WORD = 8  # bytes: plane offsets of a c4a block are multiples of 8
 
 
@@ -90,6 +89,7 @@ class RoutedDecode:
         self.slot_by_block = torch.full((num_vllm_blocks,), -1, dtype=torch.int32,
                                         device=dev)  # [blocks] int32
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=dev)
+        # fresh rows beyond ``fresh_rows`` (served as -1) per request slot
         self.lost_by_slot = torch.zeros(slots + 1, dtype=torch.int64,
                                         device=dev)  # [S + 1] int64, row S: no slot
         rows = parts.pool.device_rows
@@ -122,10 +122,8 @@ class RoutedDecode:
         committed = torch.where(held, st.seq_lens[safe], 0)  # [N] int32 rows in the hierarchy
         written = torch.div(seq_lens.long(), 4, rounding_mode="floor")  # [N] rows vLLM holds
         fresh_n = torch.where(held, (written - committed).clamp(min=0), 0)  # [N]
-        lost = (fresh_n - self.fresh_rows).clamp(min=0)  # [N]
-        self.counters[COUNTER_FRESH_LOST] += lost.sum()
         self.lost_by_slot.index_add_(0, torch.where(held, slot, self.staging.shape[0]).long(),
-                                     lost)
+                                     (fresh_n - self.fresh_rows).clamp(min=0))
         fresh_n = fresh_n.clamp(max=self.fresh_rows).to(torch.int32)
         fresh_dst = self.staging[safe, -self.fresh_rows:]  # [N, F] int32
         self._copy_fresh(vllm_cache, block_table, committed, fresh_n, fresh_dst)

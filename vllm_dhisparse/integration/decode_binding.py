@@ -79,11 +79,11 @@ class DecodeBinding:
         for name, r in self.routed.items():
             n = r.lost_by_slot.shape[0]
             owners = self.slot_reqs.get(name, {})
-            lost |= {owners.get(slot, f"<slot {slot} of {name}>")
-                     for slot, count in enumerate(got[at:at + n]) if count}
+            lost |= {owners[slot] for slot, count in enumerate(got[at:at + n])
+                     if count and slot in owners}
             at += n
         return dict(fresh_selections=got[D.COUNTER_FRESH],
-                    fresh_rows_lost=got[D.COUNTER_FRESH_LOST],
+                    fresh_rows_lost=sum(got[D.NUM_COUNTERS:]),
                     unrouted_tokens=got[D.COUNTER_UNROUTED], lost_requests=lost)
 
     def close(self) -> None:
