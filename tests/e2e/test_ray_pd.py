@@ -116,6 +116,11 @@ def pd_app(demo_model, resident, tmp_path_factory):
                    prefill=lambda: read_stats(prefill_stats),
                    stats=lambda: list(read_stats(decode_stats).values()))
     finally:
+        # a Serve handle's router thread that calls Ray after ray.shutdown() would connect
+        # this driver again, and the cluster then refuses to remove its head node
+        from ray._private import auto_init_hook
+        auto_connect = auto_init_hook.enable_auto_connect
+        auto_init_hook.enable_auto_connect = False
         try:
             serve.shutdown()
         finally:
@@ -123,6 +128,7 @@ def pd_app(demo_model, resident, tmp_path_factory):
                 ray.shutdown()
             finally:
                 cluster.shutdown()
+                auto_init_hook.enable_auto_connect = auto_connect
                 for k, v in saved.items():  # later modules run with their own threads
                     if v is None:
                         os.environ.pop(k, None)
