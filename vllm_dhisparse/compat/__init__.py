@@ -18,13 +18,14 @@ def apply_cpu_compat() -> None:
         return
     # Imported here, not at module level: compat.early must stay importable
     # at interpreter start-up without pulling in vLLM.
-    from vllm_dhisparse.compat import (cpu_attn_kv_dtype, cpu_attn_layout, eager_kernels,
-                                       tile_scheduler, triton_interpreter)
+    from vllm_dhisparse.compat import (cpu_attn_kv_dtype, cpu_attn_layout, eager_block_tables,
+                                       eager_kernels, tile_scheduler, triton_interpreter)
 
     triton_interpreter.enable()
     triton_interpreter.check_vllm_sees_triton()
     tile_scheduler.apply()
     eager_kernels.apply()
+    eager_block_tables.apply()
     cpu_attn_layout.apply()  # drafters next to DeepSeek-V4 (speculative decoding)
     cpu_attn_kv_dtype.apply()
     # DeepSeek-V4 CPU ops missing from the loaded _C library (AVX2 build).
