@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 RECLAIM_POLICIES = ("largest_first", "oldest_first", "least_recently_active")
-RESOLVER_BACKENDS = ("auto", "triton", "reference")
+RESOLVER_BACKENDS = ("auto", "triton", "torch", "reference")
 RESOLVE_TIMINGS = ("auto", "on", "off")
 SPEC_PRESETS = ("", "dspark", "dflash2")
 MAX_STAGING_ARENAS = 128  # more payload layers than any supported model has
@@ -40,7 +40,9 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                        "run one after another (CPU), the payload layers whose attention can run "
                        "at once on GPU (e.g. 4 for GLM-5.3's index-sharing groups); at most the "
                        "number of sparse layers"),
-    "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch reference elsewhere"),
+    "resolver_backend": (str, "auto", RESOLVER_BACKENDS, "triton on CUDA, torch elsewhere (the "
+                         "reference with hit-only batch rows batched); reference: the "
+                         "specification alone"),
     "resolve_timing": (str, "auto", RESOLVE_TIMINGS, "time every resolve call for the "
                        "vllm:dhisparse_resolve_seconds histogram; on CUDA this adds a "
                        "synchronisation per call; auto = on CPU only"),

@@ -1,7 +1,8 @@
 """Resolver façade: selected positions ``[N, K, k]`` -> device locations (eq. 2, 6, 12).
 
 Validates user-facing input, picks the implementation (fused Triton kernels on
-CUDA, the torch reference elsewhere), runs resolve then the host->device
+CUDA; elsewhere ``resolve_torch``, the torch reference with hit-only batch rows
+batched; ``reference`` runs the specification alone), runs resolve then the host->device
 gather, and keeps running counters.  Counters stay on the device and are
 summed there; nothing here forces a host sync except input validation, which
 can be switched off by a caller that already guarantees bounds.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_dhisparse.triton_kernels import reference
+from vllm_dhisparse.triton_kernels.resolve_torch import resolve_torch
 from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
                                                      COUNTER_HOT, COUNTER_INVALID, COUNTER_REPAIRS,
                                                      NUM_COUNTERS)
@@ -23,7 +25,7 @@ from .source_state import SourceState
 # verification totals read the host and fetched columns as one slice
 assert COUNTER_FETCHED == COUNTER_HOST + 1
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "torch", "reference")
 
 
 def _pick_backend(requested: str, device: torch.device) -> str:
@@ -36,8 +38,8 @@ def _pick_backend(requested: str, device: torch.device) -> str:
             import triton  # noqa: F401
             return "triton"
         except ImportError:
-            return "reference"
-    return "reference"
+            return "torch"
+    return "torch"
 
 
 @dataclass
@@ -92,7 +94,9 @@ class Resolver:
             from vllm_dhisparse.triton_kernels.resolve import resolve
             self._resolve, self._gather = resolve, gather_rows
         else:
-            self._resolve, self._gather = reference.resolve_reference, reference.gather_reference
+            self._resolve = (resolve_torch if self.backend == "torch"
+                             else reference.resolve_reference)
+            self._gather = reference.gather_reference
         dev = source.device
         self._totals = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=dev)
         self._verify = torch.zeros(2, dtype=torch.int64, device=dev)
