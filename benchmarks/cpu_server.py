@@ -3,13 +3,15 @@ and capacity at a fixed KV budget (vLLM's OpenAI server, the demo model).
 
     python benchmarks/cpu_server.py --out benchmarks/results/cpu_server [--phases ...]
 
-Phases (each starts one server per arm on 127.0.0.1, same engine arguments, the arms one
-after the other):
+Phases (one server per arm on 127.0.0.1, same engine arguments):
 
-* ``latency``: 1 and then 4 concurrent streamed requests (``--latency-prompt`` tokens,
+* ``latency`` (both servers up, the arms alternating within each round): 1 and then 4
+  concurrent streamed requests (``--latency-prompt`` tokens,
   ``--latency-tokens`` greedy tokens, ``ignore_eos``), history resident (the prompt's c4a
-  rows fit the hot cache); per request the inter-token latency (time from its first to
-  its last token / tokens - 1), ``--rounds`` rounds; the median per arm and the ratio.
+  rows fit the hot cache), ``--rounds`` rounds; the median gap between two tokens of a
+  stream while every stream of its round decodes (other requests' prefill chunks would
+  land in the gaps before), per arm, and the ratio; each request's first-to-last-token
+  latency is kept next to it.
 * ``capacity``: for each ``--capacity`` prompt length and KV budget, ``--requests``
   requests submitted at once to a server with that much KV memory (both arms: vLLM's
   blocks, and with the connector also the hierarchy's device pools, inside it);
@@ -101,7 +103,7 @@ class Server:
         tokens = usage["completion_tokens"] if usage else len(times)
         itl = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         return dict(tokens=tokens, chunks=len(times), first_s=times[0] - t0 if times else None,
-                    itl_s=itl)
+                    itl_s=itl, times=times)
 
     def complete(self, ids: list[int], max_tokens: int) -> int:
         body = dict(model=self.model, prompt=ids, max_tokens=max_tokens, temperature=0.0,
@@ -134,21 +136,42 @@ def concurrently(fn, args: list) -> list:
     return out
 
 
-def latency(args, arm: str, extra, logs: Path) -> dict:
-    res = {}
-    with Server(args.model, extra, max_model_len=args.latency_prompt + args.latency_tokens + 8,
-                kv_bytes=args.latency_kv_bytes, max_num_seqs=8, log=logs / f"latency_{arm}.log") as s:
-        s.stream(prompt_ids(args.latency_prompt, 999), 4)  # warm-up
+def latency(args, arms: dict, logs: Path) -> dict:
+    """Both arms' servers up at once, the arms taking turns within every round (same
+    prompts), so that a slow spell of the machine falls on both."""
+    from contextlib import ExitStack
+    res = {arm: {} for arm in arms}
+    with ExitStack() as stack:
+        servers = {arm: stack.enter_context(Server(
+            args.model, extra, max_model_len=args.latency_prompt + args.latency_tokens + 8,
+            kv_bytes=args.latency_kv_bytes, max_num_seqs=8, log=logs / f"latency_{arm}.log"))
+            for arm, extra in arms.items()}
+        for s in servers.values():
+            s.stream(prompt_ids(args.latency_prompt, 999), 4)  # warm-up
         for n in (1, 4):
-            itls = []
+            itls = {arm: [] for arm in arms}
+            gaps = {arm: [] for arm in arms}
             for r in range(args.rounds):
-                got = concurrently(s.stream, [(prompt_ids(args.latency_prompt, 1000 * r + i),
-                                               args.latency_tokens) for i in range(n)])
-                itls += [g["itl_s"] for g in got]
-            res[f"concurrency_{n}"] = dict(itl_s=itls, median_itl_s=statistics.median(itls))
-            print(f"  {arm} latency x{n}: median {1e3 * statistics.median(itls):.1f} ms/token",
-                  flush=True)
+                for arm, s in servers.items():
+                    got = concurrently(s.stream, [(prompt_ids(args.latency_prompt, 1000 * r + i),
+                                                   args.latency_tokens) for i in range(n)])
+                    itls[arm] += [g["itl_s"] for g in got]
+                    gaps[arm] += decode_gaps([g["times"] for g in got])
+            for arm in arms:
+                res[arm][f"concurrency_{n}"] = dict(itl_s=itls[arm], gaps_s=gaps[arm],
+                                                    median_itl_s=statistics.median(gaps[arm]))
+                print(f"  {arm} latency x{n}: median {1e3 * statistics.median(gaps[arm]):.1f} "
+                      f"ms/token over {len(gaps[arm])} gaps while all {n} decode (first to last "
+                      f"token: {1e3 * statistics.median(itls[arm]):.1f})", flush=True)
     return res
+
+
+def decode_gaps(times: list[list[float]]) -> list[float]:
+    """Seconds between consecutive tokens of each stream while every stream of the round
+    decodes (after the last first token, before the first last token): a decode step of
+    n requests, without the other requests' prefill chunks in it."""
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    return [b - a for t in times for a, b in zip(t, t[1:]) if a >= start and b <= end]
 
 
 def capacity(args, arm: str, extra, prompt: int, kv_bytes: int, logs: Path) -> dict:
@@ -223,10 +246,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=str(ROOT / "demo_model"),
                     help="model directory (default: the demo model, built if missing)")
     ap.add_argument("--phases", default="latency,capacity", help="latency, capacity")
-    ap.add_argument("--rounds", type=int, default=3, help="latency rounds per concurrency")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="latency rounds per concurrency (the arms alternate within each)")
     ap.add_argument("--latency-prompt", type=int, default=1800,
                     help="prompt tokens of the latency phase (c4a rows within the hot cache)")
-    ap.add_argument("--latency-tokens", type=int, default=48)
+    ap.add_argument("--latency-tokens", type=int, default=64)
     ap.add_argument("--latency-kv-bytes", type=int, default=1 << 30)
     ap.add_argument("--capacity", default="7000:100000000,16000:200000000",
                     help="PROMPT_TOKENS:KV_BYTES,...: the capacity runs (per prompt length a "
@@ -255,8 +279,7 @@ def main(argv=None) -> int:
                config={k: v for k, v in vars(args).items() if k not in ("plot",)})
     phases = set(args.phases.split(","))
     if "latency" in phases:
-        res["latency"] = {arm: latency(args, arm, e, logs)
-                          for arm, e in (("resident", None), ("connector", extra))}
+        res["latency"] = latency(args, {"resident": None, "connector": extra}, logs)
         for n in (1, 4):
             key = f"concurrency_{n}"
             res["latency"][f"ratio_{n}"] = (res["latency"]["connector"][key]["median_itl_s"]
