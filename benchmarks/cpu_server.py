@@ -24,6 +24,7 @@ Prompts are random token ids, distinct per request (no prefix hits).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -139,9 +140,8 @@ def concurrently(fn, args: list) -> list:
 def latency(args, arms: dict, logs: Path) -> dict:
     """Both arms' servers up at once, the arms taking turns within every round (same
     prompts), so that a slow spell of the machine falls on both."""
-    from contextlib import ExitStack
     res = {arm: {} for arm in arms}
-    with ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         servers = {arm: stack.enter_context(Server(
             args.model, extra, max_model_len=args.latency_prompt + args.latency_tokens + 8,
             kv_bytes=args.latency_kv_bytes, max_num_seqs=8, log=logs / f"latency_{arm}.log"))
@@ -158,8 +158,11 @@ def latency(args, arms: dict, logs: Path) -> dict:
                     itls[arm] += [g["itl_s"] for g in got]
                     gaps[arm] += decode_gaps([g["times"] for g in got])
             for arm in arms:
+                if not gaps[arm]:
+                    raise RuntimeError(f"{arm}: the {n} streams of a round never decoded at "
+                                       f"once; raise --latency-tokens")
                 res[arm][f"concurrency_{n}"] = dict(itl_s=itls[arm], gaps_s=gaps[arm],
-                                                    median_itl_s=statistics.median(gaps[arm]))
+                                                    median_gap_s=statistics.median(gaps[arm]))
                 print(f"  {arm} latency x{n}: median {1e3 * statistics.median(gaps[arm]):.1f} "
                       f"ms/token over {len(gaps[arm])} gaps while all {n} decode (first to last "
                       f"token: {1e3 * statistics.median(itls[arm]):.1f})", flush=True)
@@ -170,6 +173,8 @@ def decode_gaps(times: list[list[float]]) -> list[float]:
     """Seconds between consecutive tokens of each stream while every stream of the round
     decodes (after the last first token, before the first last token): a decode step of
     n requests, without the other requests' prefill chunks in it."""
+    if not all(times):
+        return []
     start, end = max(t[0] for t in times), min(t[-1] for t in times)
     return [b - a for t in times for a, b in zip(t, t[1:]) if a >= start and b <= end]
 
@@ -214,7 +219,9 @@ def plot(res: dict, png: str) -> None:
     lat = res.get("latency", {})
     if lat:
         for j, n in enumerate((1, 4)):
-            vals = [1e3 * lat[a][f"concurrency_{n}"]["median_itl_s"] for a in arms]
+            # median_gap_s: gaps while every stream decodes; earlier files: first to last token
+            cells = [lat[a][f"concurrency_{n}"] for a in arms]
+            vals = [1e3 * c.get("median_gap_s", c.get("median_itl_s")) for c in cells]
             ax[0].bar([j * 3 + k for k in range(2)], vals, color=["tab:gray", "tab:blue"])
         ax[0].set_xticks([0.5, 3.5], ["1 request", "4 requests"])
         ax[0].set_ylabel("median inter-token latency (ms)")
@@ -282,8 +289,8 @@ def main(argv=None) -> int:
         res["latency"] = latency(args, {"resident": None, "connector": extra}, logs)
         for n in (1, 4):
             key = f"concurrency_{n}"
-            res["latency"][f"ratio_{n}"] = (res["latency"]["connector"][key]["median_itl_s"]
-                                            / res["latency"]["resident"][key]["median_itl_s"])
+            res["latency"][f"ratio_{n}"] = (res["latency"]["connector"][key]["median_gap_s"]
+                                            / res["latency"]["resident"][key]["median_gap_s"])
     if "capacity" in phases:
         res["capacity"] = {}
         for item in args.capacity.split(","):

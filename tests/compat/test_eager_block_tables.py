@@ -22,7 +22,8 @@ KERNELS = ("_gather_block_tables_kernel", "_compute_slot_mappings_kernel")
 TRITON = {name: getattr(getattr(bt, name), "triton_kernel", getattr(bt, name))
           for name in KERNELS}
 SIZES = [16, 64, 256, 8]  # block size per KV cache group
-MAX_BLOCKS = [40, 10, 4, 64]
+MAX_BLOCKS = [80, 20, 8, 160]  # 1,280 - 2,048 positions per request and group
+MIN_BLOCKS = [63, 16, 4, 126]  # every request's blocks cover its 1,000 first positions
 ENABLED = [True, True, False, True]  # a group without slot mappings (PAD for all)
 MAX_TOKENS = 2100  # the padding program loops over the row in chunks of 1,024
 
@@ -41,15 +42,23 @@ def block_tables(seed: int) -> "bt.BlockTables":
                             max_num_blocks_per_group=MAX_BLOCKS, device=torch.device("cpu"),
                             slot_mapping_enabled=ENABLED)
     for req in range(6):
-        ids = tuple(torch.randint(1, 1000, (int(torch.randint(1, m + 1, (1,), generator=g)),),
-                                  generator=g).tolist() for m in MAX_BLOCKS)
+        ids = tuple(torch.randint(1, 1000, (int(torch.randint(lo, m + 1, (1,), generator=g)),),
+                                  generator=g).tolist() for lo, m in zip(MIN_BLOCKS, MAX_BLOCKS))
         tables.append_block_ids(req, ids, overwrite=True)
     tables.apply_staged_writes()
     return tables
 
 
+class Declined:
+    """Stands where the Triton kernel would: an eager launch that declined fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"the eager launch declined (grid {grid})")
+
+
 def run(kernels: str, tables: "bt.BlockTables", idx_mapping, padded, qsl, positions):
-    """The gathered tables and slot mappings with ``kernels`` bound at vLLM's globals."""
+    """The gathered tables and slot mappings with ``kernels`` bound at vLLM's globals
+    ("eager": the eager launches alone, a fallback to the kernel fails)."""
     saved = {name: getattr(bt, name) for name in KERNELS}
     try:
         for name in KERNELS:
@@ -58,7 +67,7 @@ def run(kernels: str, tables: "bt.BlockTables", idx_mapping, padded, qsl, positi
             else:
                 eager = (ebt.gather_block_tables if "gather" in name
                          else ebt.compute_slot_mappings)
-                setattr(bt, name, ebt.EagerLaunch(TRITON[name], eager))
+                setattr(bt, name, ebt.EagerLaunch(Declined(), eager))
         for table in tables.input_block_tables:
             table.fill_(-7)  # what a kernel leaves alone shows up as -7
         tables.slot_mappings.fill_(-9)
@@ -106,17 +115,29 @@ def test_eager_equals_triton(idx, q_lens, padded):
     assert (want[1][0, :int(inputs[1][-1])] >= 0).all()
 
 
+def slot_mappings(fn, tables, idx, qsl, positions) -> torch.Tensor:
+    """``fn`` (the Triton kernel or the eager launch) on the tables' slot-mapping buffer."""
+    tables.slot_mappings.fill_(-9)
+    fn[(len(SIZES), idx.shape[0] + 1)](
+        tables.slot_mappings.shape[1], idx, qsl, positions, tables.block_table_ptrs,
+        tables.block_table_strides, tables.block_sizes_tensor, tables.slot_mapping_enabled,
+        tables.dcp_sharded, tables.slot_mappings, tables.slot_mappings.stride(0), 0,
+        CP_SIZE=1, CP_INTERLEAVE=1, PAD_ID=-1, TRITON_BLOCK_SIZE=1024)
+    return tables.slot_mappings.clone()
+
+
 def test_padding_request_in_slot_mappings():
-    """A padding request (``idx_mapping`` -1) owns no blocks: PAD for its tokens."""
+    """A padding request (``idx_mapping`` -1) owns no blocks: PAD for its tokens, also at
+    a position far past every row (only the slot mappings: the gather never gets one)."""
     tables = block_tables(seed=7)
     idx, qsl, positions = batch([1, 0], [2, 1], seed=3, tables=tables)
     idx[1] = -1
-    want = run("triton", tables, idx[:1], 1, qsl, positions)  # the gather never sees -1
-    got = run("eager", tables, idx[:1], 1, qsl, positions)
-    assert torch.equal(want[1], got[1])
-    slots_w = run("triton", tables, idx, 2, qsl, positions)
-    assert torch.equal(slots_w[1], run("eager", tables, idx, 2, qsl, positions)[1])
-    assert (slots_w[1][:, 2] == -1).all()
+    positions[2] = 10**6
+    want = slot_mappings(TRITON["_compute_slot_mappings_kernel"], tables, idx, qsl, positions)
+    got = slot_mappings(ebt.EagerLaunch(Declined(), ebt.compute_slot_mappings), tables, idx,
+                        qsl, positions)
+    assert torch.equal(want, got)
+    assert (want[:, 2] == -1).all() and (want[0, :2] >= 0).all()
 
 
 def test_uncovered_inputs_go_to_the_kernel():
@@ -130,10 +151,17 @@ def test_uncovered_inputs_go_to_the_kernel():
     before = tables.slot_mappings.clone()
     assert not ebt.compute_slot_mappings((4, 2), *args, CP_SIZE=2, CP_INTERLEAVE=1,
                                          PAD_ID=-1)
-    far = positions.clone()
-    far[0] = MAX_BLOCKS[0] * SIZES[0]
-    assert not ebt.compute_slot_mappings((4, 2), *args[:3], far, *args[4:], CP_SIZE=1,
-                                         CP_INTERLEAVE=1, PAD_ID=-1)
+    for bad in (MAX_BLOCKS[0] * SIZES[0], -1):  # past the row, before it
+        far = positions.clone()
+        far[0] = bad
+        assert not ebt.compute_slot_mappings((4, 2), *args[:3], far, *args[4:], CP_SIZE=1,
+                                             CP_INTERLEAVE=1, PAD_ID=-1)
+    gather = (idx, tables.block_table_ptrs, tables.input_block_table_ptrs,
+              tables.block_table_strides, tables.num_blocks.gpu,
+              tables.num_blocks.gpu.stride(0))
+    assert not ebt.gather_block_tables((4, 1), torch.tensor([-1], dtype=torch.int32),
+                                       *gather[1:], 1)
+    assert not ebt.gather_block_tables((4, 0), *gather, 1)  # fewer rows than requests
     assert torch.equal(tables.slot_mappings, before)  # declined: nothing written
 
 

@@ -15,8 +15,8 @@ from resolve_world import DEVICE, OUTPUT_NAMES, STATE_NAMES, World, assert_same 
 
 class TorchWorld(World):
     def call(self, sel, req_slots, *, context="", lens=False, **_):
-        """resolve_torch vs resolve_reference on a shadow copy of the state; bytes at the
-        returned locations (after the reference gather) against the truth."""
+        """resolve_torch vs resolve_reference on a shadow copy of the state: every output
+        and every state tensor."""
         if self.ref is None:
             self.ref = [t.clone() for t in self.state()]
         slot_t = torch.tensor(req_slots, dtype=torch.int32, device=DEVICE)
@@ -92,6 +92,42 @@ def test_repairs_and_bad_slots_go_to_the_reference():
     w.call(sel, [0, 1, 2, 9], context="slot 9 is no slot")
 
 
+def test_lengths_and_a_wrapping_clock():
+    """Requests shorter than the table (selections past their length are invalid) and
+    clocks at the int32 edge: the stamps wrap as the reference's do."""
+    w = TorchWorld(hot_cache_rows=12, width=8, positions=48, req_slots=4, batch=4, seed=5,
+                   lengths=[40, 30, 48, 27])  # slot 3: hot rows 27-29 past its length
+    for s in range(4):
+        w.warm(s, list(range(24, 30)))
+    w.hot_clock[:] = torch.tensor([2**31 - 1, 2**31 - 2, -2**31, 0], dtype=torch.int32)
+    for step in range(3):
+        sel = w.selections([0, 1, 2, 3], 1, 8, lo=24, hi=30 if step < 2 else 48)
+        sel[1, 0, 0] = 35  # past request slot 1's length (30): invalid, not a miss
+        w.call(sel, [0, 1, 2, 3], context=f"step {step}", lens=True)
+    assert int(w.hot_clock[0]) < 0  # wrapped
+
+
+def test_a_call_that_raises_leaves_hit_rows_alone():
+    """Row 0 overflows a staging area that is too small; row 1 only hits: its stamps and
+    clock stay as they were (the caller resolves the rows again one by one)."""
+    w = warm_world(6)
+    w.staging_rows = w.staging_rows[:, :0]
+    clock, stamps = w.hot_clock.clone(), w.hot_stamp.clone()
+    sel = torch.stack([torch.arange(8).view(1, 8) + 40,
+                       torch.arange(8).view(1, 8) + 24]).to(torch.int32).to(DEVICE)
+    w.hot_pos[0] = -1  # row 0: every selection a miss, more misses than free hot slots?
+    w.hot_slot_of[0] = -1
+    w.hot_stamp[0] = w.hot_clock[0] + 1  # ... every hot slot protected: all stage
+    stamps = w.hot_stamp.clone()
+    with pytest.raises(ValueError, match="overflow misses"):
+        resolve_torch(sel, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                      w.page_table, w.page_size, w.hot_pos, w.hot_loc, w.hot_stamp,
+                      w.hot_clock, w.hot_slot_of, w.staging_rows, w.host_base,
+                      num_device_rows=w.n_dev_rows)
+    assert int(w.hot_clock[1]) == int(clock[1])
+    assert torch.equal(w.hot_stamp[1], stamps[1])
+
+
 def test_repeated_slot_is_the_references():
     w = warm_world(4)
     sel = w.selections([0, 0], 1, 8, lo=24, hi=34)
@@ -111,6 +147,13 @@ def test_hypothesis_adversarial(data):
     w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
     w.warm(2, data.draw(st.lists(st.integers(0, positions - 1), unique=True,
                                  max_size=hot_cache_rows)))
+    if data.draw(st.booleans(), label="corrupt tables"):
+        w.hot_slot_of[0, data.draw(st.integers(0, positions - 1))] = data.draw(st.integers(-3, 7))
+        w.page_table[2, 0] = data.draw(st.sampled_from([-5, 10**6, w.n_dev_rows]))
+        if hot_cache_rows:
+            w.hot_pos[2, 0] = data.draw(st.integers(-3, positions + 2))
+    w.seq_lens[:] = torch.tensor([data.draw(st.integers(0, positions)) for _ in range(3)],
+                                 dtype=torch.int32)
     for step in range(data.draw(st.integers(1, 4), label="calls")):
         rows = data.draw(st.lists(st.integers(-2, positions), min_size=3 * queries * top_k,
                                   max_size=3 * queries * top_k), label=f"selections {step}")
@@ -118,5 +161,5 @@ def test_hypothesis_adversarial(data):
         slots = data.draw(st.permutations([0, 1, 2]), label=f"request slots {step}")
         pad = data.draw(st.integers(-1, 2), label=f"padding row {step}")
         if pad >= 0:
-            slots[pad] = -1
+            slots[pad] = data.draw(st.sampled_from([-1, -2, 3, 9]), label="padding slot")
         w.call(sel, slots, context=f"step {step}", lens=True)

@@ -20,8 +20,8 @@ connector's extra group alone added ~1.5 ms per step that resident serving does 
 pay.  ``BlockTables`` looks both kernels up as module globals at call time, so
 rebinding them is enough.  The replacements are exact against the interpreted kernels
 (``tests/compat/test_eager_block_tables.py``); inputs they do not cover (context
-parallelism, a padding request in the gather, a position past its block-table row)
-go to the Triton kernel unchanged.
+parallelism, a request index outside the tables in the gather, a position outside its
+block-table row) go to the Triton kernel unchanged.
 """
 from __future__ import annotations
 
@@ -57,8 +57,10 @@ def gather_block_tables(grid, batch_idx_to_req_idx, src_block_table_ptrs,
     not apply."""
     groups, padded = grid
     reqs = batch_idx_to_req_idx[:num_reqs].long()  # [num_reqs]
-    if reqs.numel() and int(reqs.min()) < 0:
-        return False  # the kernel would read a padding request's counts out of its row
+    if padded < num_reqs or not num_blocks_ptr.is_contiguous():
+        return False
+    if reqs.numel() and not 0 <= int(reqs.min()) <= int(reqs.max()) < num_blocks_ptr.shape[-1]:
+        return False  # the kernel would read counts out of another row
     src_rows = int(reqs.max()) + 1 if reqs.numel() else 0
     counts = num_blocks_ptr.flatten()
     strides = block_table_strides.tolist()
@@ -103,10 +105,10 @@ def compute_slot_mappings(grid, max_num_tokens, idx_mapping, query_start_loc, po
     for g, addr in enumerate(addresses(block_table_ptrs)[:groups]):
         size, stride = sizes[g], strides[g]
         block = positions // size if enabled[g] else torch.zeros_like(positions)
-        if bool((real & (block >= stride)).any()):
-            return False  # a position past its row: the kernel reads the next row
+        if bool((real & ((block < 0) | (block >= stride))).any()):
+            return False  # a position outside its row: the kernel reads a neighbouring row
         table = int32_rows(addr, rows, stride)
-        number = table[state.clamp(min=0), block.clamp(max=max(stride - 1, 0))].long()
+        number = table[state.clamp(min=0), block.clamp(0, max(stride - 1, 0))].long()
         slot = number * size + positions % size
         keep = real if enabled[g] else torch.zeros_like(real)
         slots.append(torch.where(keep, slot, PAD_ID))

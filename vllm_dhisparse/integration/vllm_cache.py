@@ -14,6 +14,7 @@ from .model_probe import SparseLayer
 class VllmC4aCaches:
     def __init__(self):
         self.caches: dict[str, torch.Tensor] = {}  # layer -> [blocks, block_bytes] uint8
+        self._planes: dict[str, list[torch.Tensor]] = {}  # layer -> [blocks, rows, plane] views
 
     def register(self, kv_caches: dict[str, torch.Tensor], layers) -> None:
         for name in layers:
@@ -21,21 +22,30 @@ class VllmC4aCaches:
                 raise ValueError(f"sparse layer {name!r} has no KV cache; caches: {sorted(kv_caches)}")
             cache = kv_caches[name].view(torch.uint8)
             self.caches[name] = cache.reshape(cache.shape[0], -1)
+            self._planes.pop(name, None)
+
+    def planes(self, layer: SparseLayer) -> list[torch.Tensor]:
+        """Views of each plane of every block: plane s of a block starts after
+        ``rows_per_block`` rows of plane s-1.  # [blocks, rows_per_block, plane_bytes[s]]"""
+        views = self._planes.get(layer.name)
+        if views is None:
+            cache, views, start = self.caches[layer.name], [], 0
+            for width in layer.plane_bytes:
+                end = start + layer.rows_per_block * width
+                views.append(cache[:, start:end].view(cache.shape[0], layer.rows_per_block, width))
+                start = end
+            self._planes[layer.name] = views
+        return views
 
     def rows(self, layer: SparseLayer, block_ids: list[int], rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` of the request whose blocks (in ``layer``'s KV cache group) are
         ``block_ids``.  # [n, row_bytes] uint8"""
-        cache = self.caches[layer.name]
+        views = self.planes(layer)
         blocks = torch.tensor(block_ids, dtype=torch.int64)
         rows = rows.to(torch.int64).cpu()
-        b = blocks[rows // layer.rows_per_block].to(cache.device)
-        pos = (rows % layer.rows_per_block).to(cache.device)
-        parts, plane_start = [], 0
-        for width in layer.plane_bytes:  # plane s of a block starts after rows_per_block rows of s-1
-            cols = plane_start + pos[:, None] * width + torch.arange(width, device=cache.device)
-            parts.append(cache[b[:, None], cols])
-            plane_start += layer.rows_per_block * width
-        return torch.cat(parts, dim=1)
+        b = blocks[rows // layer.rows_per_block].to(views[0].device)
+        pos = (rows % layer.rows_per_block).to(views[0].device)
+        return torch.cat([plane[b, pos] for plane in views], dim=1)
 
     def first_rows(self, layer: SparseLayer, block_ids: list[int], n: int) -> torch.Tensor:
         """Rows ``0..n-1`` of the request whose blocks are ``block_ids``.  # [n, row_bytes]"""

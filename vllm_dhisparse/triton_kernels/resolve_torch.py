@@ -8,8 +8,10 @@ nothing to repair is finished in that pass (locations, its recency stamp, counte
 padding rows too, and only the other rows go through ``resolve_reference`` unchanged.
 Batch rows name distinct request slots and touch only their own slot's tables, so the
 split gives the reference's outputs and state exactly
-(``tests/kernels/test_resolve_torch.py``); a call with a repeated slot, which the
-contract does not allow, is left to the reference whole.
+(``tests/kernels/test_resolve_torch.py``) for every call that returns; a call with a
+repeated slot, which the contract does not allow, is left to the reference whole.  When
+the reference raises for one of its rows (staging too small), the hit rows are left
+untouched, where the reference alone would have resolved the rows before it.
 """
 from __future__ import annotations
 
@@ -45,19 +47,22 @@ def resolve_torch(
     width = n_queries * top_k
     slot = req_slots.long()  # [N]
     real = (slot >= 0) & (slot < n_req_slots)
-    if not n_batch or not width or not hot_cache_rows \
-            or torch.unique(slot[real]).numel() != int(real.sum()):
+    max_pos, max_pages = hot_slot_of.shape[1], page_table.shape[1]
+    n_real = int(real.sum())
+    if 0 in (n_real, width, hot_cache_rows, max_pos, max_pages) \
+            or (n_real > 1 and torch.unique(slot[real]).numel() != n_real):
         return resolve_reference(selections, req_slots, *tables, staging_rows, host_base,
                                  **bounds)
-    max_pos, max_pages = hot_slot_of.shape[1], page_table.shape[1]
     s = torch.where(real, slot, 0)[:, None]  # [N, 1] a padding row reads slot 0, then drops it
     sel = selections.reshape(n_batch, width).long()  # [N, K*k]
+    # [N, 1] rows each request has written, or P
     limit = max_pos if seq_lens is None else seq_lens[s].long().clamp(0, max_pos)
-    valid = (sel >= 0) & (sel < limit)
+    valid = (sel >= 0) & (sel < limit)  # [N, K*k]
     invalid = ((sel < -1) | (sel >= limit)).sum(1)  # [N]
-    pos = torch.where(valid, sel, 0)
+    pos = torch.where(valid, sel, 0)  # [N, K*k] selected row, 0 where not valid
 
     page = pos // page_size
+    # [N, K*k] device row of the selected row's page start, -1: not ready
     page_base = torch.where(page < max_pages,
                             page_table[s, page.clamp(max=max_pages - 1)].long(), -1)
     pt_bad = valid & ((page_base < -1) | ((page_base >= 0) & (page_base < first_device_row))
@@ -72,7 +77,7 @@ def resolve_torch(
     slow = real & (host | pt_bad | hso_bad).any(1)  # [N] rows the reference resolves
     done = real & ~slow  # [N] rows finished here: every valid selection direct or hot
 
-    loc = torch.where(direct, page_base + pos % page_size, -1)
+    loc = torch.where(direct, page_base + pos % page_size, -1)  # [N, K*k] device rows
     loc = torch.where(hot, hot_loc[s, v_clamped].long(), loc)
     loc = torch.where(done[:, None], loc, -1)
     locations = loc.view(n_batch, n_queries, top_k).to(selections.dtype)
@@ -85,7 +90,14 @@ def resolve_torch(
     counters[:, COUNTER_INVALID] = torch.where(done, invalid, 0).to(torch.int32)
     counters[:, COUNTER_REPAIRS] = (~real & (slot != -1)).to(torch.int32)
 
-    # a call that reads the hot cache takes the request's next stamp (int32, wrapping)
+    if bool(slow.any()):
+        sub = slow.nonzero().flatten()
+        out = resolve_reference(selections[sub], req_slots[sub], *tables, staging_rows[sub],
+                                host_base, **bounds)
+        for full, part in zip((locations, miss_src, miss_dst, miss_count, counters), out):
+            full[sub] = part
+    # a call that reads the hot cache takes the request's next stamp (int32, wrapping);
+    # after the reference's rows: a call that raises leaves the hit rows' stamps as they were
     stamped = done & hot.any(1)  # [N]
     if bool(stamped.any()):
         rows = slot[stamped]
@@ -95,10 +107,4 @@ def resolve_torch(
         hot_stamp[rows[:, None].expand_as(hits)[hits], v[stamped][hits]] = \
             stamp[:, None].expand_as(hits)[hits].to(hot_stamp.dtype)
 
-    if bool(slow.any()):
-        sub = slow.nonzero().flatten()
-        out = resolve_reference(selections[sub], req_slots[sub], *tables, staging_rows[sub],
-                                host_base, **bounds)
-        for full, part in zip((locations, miss_src, miss_dst, miss_count, counters), out):
-            full[sub] = part
     return locations, miss_src, miss_dst, miss_count, counters
