@@ -192,7 +192,8 @@ class Resolver:
                 **bounds)
         else:
             locations, miss_src, miss_dst, miss_count, counters = self._resolve(*args, **bounds)
-            for start, plane in self.planes:  # one gather per plane; host rows are whole
+            planes = self.planes if bool(miss_count.any()) else []  # all hits: nothing to copy
+            for start, plane in planes:  # one gather per plane; host rows are whole
                 self._gather(self.host_rows[:, start:start + plane.shape[1]], plane,
                              miss_src, miss_dst, miss_count)
         per_call = counters.sum(0, dtype=torch.int64)
