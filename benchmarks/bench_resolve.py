@@ -312,7 +312,7 @@ def plot(meta, miss_points, fits, nm_points, name):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU + TRITON_INTERPRET=1)")
-    ap.add_argument("--impl", default="triton", choices=("triton", "reference"))
+    ap.add_argument("--impl", default="triton", choices=("triton", "torch", "reference"))
     ap.add_argument("--part", default="all", choices=("all", "miss", "nomiss"))
     ap.add_argument("--no-graph", action="store_true", help="time eager launches only")
     ap.add_argument("--name", default="bench_resolve", help="results file stem")

@@ -110,15 +110,18 @@ def resolve_and_copy(resolve_fn, gather_fn, st, selections, req_slots):
 
 
 def load_impl(impl: str):
-    """(resolve_fn, gather_fn) for ``triton`` or ``reference``."""
+    """(resolve_fn, gather_fn) for ``triton``, ``torch`` (the CPU path) or ``reference``."""
     from vllm_dhisparse.triton_kernels import reference
     if impl == "reference":
         return reference.resolve_reference, reference.gather_reference
+    if impl == "torch":
+        from vllm_dhisparse.triton_kernels.resolve_torch import resolve_torch
+        return resolve_torch, reference.gather_reference
     if impl == "triton":
         from vllm_dhisparse.triton_kernels.gather import gather_rows
         from vllm_dhisparse.triton_kernels.resolve import resolve
         return resolve, gather_rows
-    raise ValueError(f"impl {impl!r} is not one of ('triton', 'reference')")
+    raise ValueError(f"impl {impl!r} is not one of ('triton', 'torch', 'reference')")
 
 
 # ------------------------------------------------------------------ memory

@@ -222,10 +222,14 @@ def plot(res: dict, png: str) -> None:
             # median_gap_s: gaps while every stream decodes; earlier files: first to last token
             cells = [lat[a][f"concurrency_{n}"] for a in arms]
             vals = [1e3 * c.get("median_gap_s", c.get("median_itl_s")) for c in cells]
-            ax[0].bar([j * 3 + k for k in range(2)], vals, color=["tab:gray", "tab:blue"])
+            for k, (arm, v) in enumerate(zip(arms, vals)):
+                ax[0].bar(j * 3 + k, v, color=["tab:gray", "tab:blue"][k],
+                          label=arm if j == 0 else None)
+                ax[0].annotate(f"{v:.1f}", (j * 3 + k, v), ha="center", va="bottom")
         ax[0].set_xticks([0.5, 3.5], ["1 request", "4 requests"])
         ax[0].set_ylabel("median inter-token latency (ms)")
         ax[0].set_title("decode latency, history resident")
+        ax[0].legend(loc="upper left")
     else:
         ax[0].axis("off")
     cap = res.get("capacity", {})
@@ -233,6 +237,9 @@ def plot(res: dict, png: str) -> None:
     for i, (key, label) in enumerate((("max_running", "max running requests"),
                                       ("output_tokens_per_s", "output tokens / s"))):
         a = ax[1 + i]
+        if not prompts:
+            a.axis("off")
+            continue
         for k, arm in enumerate(arms):
             a.bar([j * 3 + k for j in range(len(prompts))],
                   [cap[p][arm][key] for p in prompts], color=["tab:gray", "tab:blue"][k],

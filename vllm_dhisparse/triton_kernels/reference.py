@@ -1,7 +1,7 @@
 """Torch reference implementations of the resolver kernels.
 
-These are the specification the Triton kernels are tested against and the
-path that runs where there is no GPU (vLLM's CPU backend, CI).  They loop over
+These are the specification the Triton kernels (and ``resolve_torch``, the path
+that runs where there is no GPU) are tested against.  They loop over
 requests (the batch dimension) but are vectorised within a request.
 
 Resolution contract (paper eq. 2, 6, 12), for one KV source:
