@@ -199,3 +199,17 @@ class GuardedWorld(World):
             for part in (outer[:g], outer[g + inner:]):
                 fill = 0xA5 if name == "device_rows" else GUARD
                 assert bool((part == fill).all()), f"guard rows around {name} were written"
+
+
+def draw_world(data, cls=None, *, req_slots: int):
+    """A small universe drawn by hypothesis, where hits, misses and padding collide
+    often: ``(world, queries, top_k)``."""
+    from hypothesis import strategies as st
+    hot_cache_rows = data.draw(st.integers(0, 6), label="hot_cache_rows")
+    positions = data.draw(st.integers(1, 12), label="positions")
+    queries = data.draw(st.integers(1, 3), label="queries")
+    top_k = data.draw(st.integers(1, 5), label="top_k")
+    w = (cls or World)(req_slots=req_slots, hot_cache_rows=hot_cache_rows, positions=positions,
+                       page_size=data.draw(st.integers(1, 4)), batch=req_slots,
+                       width=queries * top_k, row_bytes=3)
+    return w, queries, top_k

@@ -15,7 +15,7 @@ from vllm_dhisparse.triton_kernels import resolve
 from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
                                                      COUNTER_HOT, COUNTER_INVALID, NUM_COUNTERS)
 
-from resolve_world import DEVICE, STATE_NAMES, World, assert_same  # noqa: E402
+from resolve_world import DEVICE, STATE_NAMES, World, assert_same, draw_world  # noqa: E402
 
 
 def test_cold_cache_all_miss():
@@ -308,12 +308,8 @@ def test_many_programs_path(monkeypatch):
 @given(data=st.data())
 def test_hypothesis_adversarial(data):
     """Small universes where collisions between hits, misses and padding are frequent."""
-    hot_cache_rows = data.draw(st.integers(0, 6), label="hot_cache_rows")
-    positions = data.draw(st.integers(1, 12), label="positions")
-    queries = data.draw(st.integers(1, 3), label="queries")
-    top_k = data.draw(st.integers(1, 5), label="top_k")
-    w = World(req_slots=2, hot_cache_rows=hot_cache_rows, positions=positions,
-              page_size=data.draw(st.integers(1, 4)), batch=2, width=queries * top_k, row_bytes=3)
+    w, queries, top_k = draw_world(data, req_slots=2)
+    positions = w.P
     w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
     for step in range(data.draw(st.integers(1, 3), label="calls")):
         rows = data.draw(st.lists(st.integers(-1, positions - 1), min_size=2 * queries * top_k,

@@ -10,7 +10,8 @@ from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_HOT
                                                      resolve_reference)
 from vllm_dhisparse.triton_kernels.resolve_torch import resolve_torch
 
-from resolve_world import DEVICE, OUTPUT_NAMES, STATE_NAMES, World, assert_same  # noqa: E402
+from resolve_world import (DEVICE, OUTPUT_NAMES, STATE_NAMES, World, assert_same,  # noqa: E402
+                          draw_world)
 
 
 class TorchWorld(World):
@@ -137,13 +138,9 @@ def test_repeated_slot_is_the_references():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_hypothesis_adversarial(data):
-    hot_cache_rows = data.draw(st.integers(0, 6), label="hot_cache_rows")
-    positions = data.draw(st.integers(1, 12), label="positions")
-    queries = data.draw(st.integers(1, 3), label="queries")
-    top_k = data.draw(st.integers(1, 5), label="top_k")
-    w = TorchWorld(req_slots=3, hot_cache_rows=hot_cache_rows, positions=positions,
-                   page_size=data.draw(st.integers(1, 4)), batch=3, width=queries * top_k,
-                   row_bytes=3)
+    """Small universes, some with corrupted tables, lengths and bad padding slots."""
+    w, queries, top_k = draw_world(data, TorchWorld, req_slots=3)
+    positions, hot_cache_rows = w.P, w.B
     w.make_direct(1, data.draw(st.lists(st.integers(0, w.page_table.shape[1] - 1), max_size=2)))
     w.warm(2, data.draw(st.lists(st.integers(0, positions - 1), unique=True,
                                  max_size=hot_cache_rows)))
