@@ -61,11 +61,11 @@ def verified_model(path: str = TRAINED) -> str:
     with open(sums) as f:
         for line in filter(None, (ln.strip() for ln in f)):
             digest, name = line.split(maxsplit=1)
-            h = hashlib.sha256()
-            if not os.path.exists(os.path.join(path, name.lstrip("*"))):
+            file, h = os.path.join(path, name.lstrip("*")), hashlib.sha256()
+            if not os.path.exists(file):
                 raise SystemExit(f"{path}/{name} is missing; restore it with `git checkout -- "
                                  f"models`")
-            with open(os.path.join(path, name.lstrip("*")), "rb") as g:
+            with open(file, "rb") as g:
                 for chunk in iter(lambda: g.read(1 << 20), b""):
                     h.update(chunk)
             if h.hexdigest() != digest:

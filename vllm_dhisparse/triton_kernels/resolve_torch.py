@@ -103,8 +103,7 @@ def resolve_torch(
         rows = slot[stamped]
         stamp = (hot_clock[rows].long() + 1 + 2**31) % 2**32 - 2**31  # [n]
         hot_clock[rows] = stamp.to(hot_clock.dtype)
-        hits = hot[stamped]  # [n, K*k]
-        hot_stamp[rows[:, None].expand_as(hits)[hits], v[stamped][hits]] = \
-            stamp[:, None].expand_as(hits)[hits].to(hot_stamp.dtype)
+        r, c = hot[stamped].nonzero(as_tuple=True)  # the hits of the stamped rows
+        hot_stamp[rows[r], v[stamped][r, c]] = stamp[r].to(hot_stamp.dtype)
 
     return locations, miss_src, miss_dst, miss_count, counters
