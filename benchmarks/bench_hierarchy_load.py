@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -133,9 +134,9 @@ def decode_step(h, cfg, phase: Phase, truth, step_no: int, dev, positions) -> st
 
 
 def run_steps(h, cfg, phase, truth, first: int, count: int, dev, positions, name: str,
-              stop_at: float | None = None):
+              sites: Counter, stop_at: float | None = None):
     """``count`` decode steps (fewer when coverage reaches ``stop_at``); returns
-    (per-step records, errors)."""
+    (per-step records, errors).  ``sites`` counts the unchecked steps' sync sites."""
     records, errors = [], []
     for j in range(count):
         no = first + j
@@ -143,7 +144,7 @@ def run_steps(h, cfg, phase, truth, first: int, count: int, dev, positions, name
         before = totals(h)
         sync(dev)
         t0 = time.perf_counter()
-        with S.SyncCounter() as sc:
+        with S.SyncCounter(None if checked else sites) as sc:
             err = decode_step(h, cfg, phase, truth, no, dev, positions if checked else ())
             sync(dev)
         wall = time.perf_counter() - t0
@@ -161,10 +162,10 @@ def run_steps(h, cfg, phase, truth, first: int, count: int, dev, positions, name
     return records, errors
 
 
-def timed(dev, fn):
+def timed(dev, fn, sites: Counter):
     sync(dev)
     t0 = time.perf_counter()
-    with S.SyncCounter() as sc:
+    with S.SyncCounter(sites) as sc:
         out = fn()
         sync(dev)
     return out, (time.perf_counter() - t0) * 1e3, sc.count
@@ -178,7 +179,8 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     base_pos = list(range(min(sample, n)))
     base = Phase(h, cfg, ids[:n], miss, dev, seed=1, rows=rows)
     records, errors = [], []
-    r, e = run_steps(h, cfg, base, truth, 0, cfg["steps"], dev, base_pos, "base")
+    sites = {k: Counter() for k in ("base", "admission", "burst", "finish", "drain")}
+    r, e = run_steps(h, cfg, base, truth, 0, cfg["steps"], dev, base_pos, "base", sites["base"])
     records += r
     errors += e
     base_coverage = coverage(h)
@@ -188,7 +190,8 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     for i in range(n, n + m):
         before = totals(h)
         ok, ms, syncs = timed(dev, lambda: h.admit(ids[i], max_rows,
-                                                   {s: truth[s][i, :lens[i]] for s in S.SOURCES}))
+                                                   {s: truth[s][i, :lens[i]] for s in S.SOURCES}),
+                                sites["admission"])
         if not ok:
             errors.append(f"burst: admission of {ids[i]} waited (pool too small for the burst)")
             break
@@ -200,21 +203,26 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     burst_coverage = coverage(h)
     all_pos = base_pos + list(range(n, n + min(sample, len(admissions))))
     everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2, rows=rows)
-    r, e = run_steps(h, cfg, everyone, truth, no, cfg["steps"], dev, all_pos, "burst")
+    r, e = run_steps(h, cfg, everyone, truth, no, cfg["steps"], dev, all_pos, "burst",
+                     sites["burst"])
     records += r
     errors += e
     no += cfg["steps"]
 
     finishes = []
     for i in range(n, n + len(admissions)):
-        _, ms, syncs = timed(dev, lambda: h.finish(ids[i]))
+        _, ms, syncs = timed(dev, lambda: h.finish(ids[i]), sites["finish"])
         finishes.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs))
     drain = Phase(h, cfg, ids[:n], miss, dev, seed=3, rows=rows)
     r, e = run_steps(h, cfg, drain, truth, no, cfg["drain_steps"], dev, base_pos, "drain",
-                     stop_at=base_coverage)
+                     sites["drain"], stop_at=base_coverage)
     records += r
     errors += e
+    timed_of = {p: sum(1 for x in records if x["phase"] == p and not x["checked"])
+                for p in ("base", "burst", "drain")}
+    per = dict(timed_of, admission=len(admissions), finish=len(finishes))
     return dict(records=records, admissions=admissions, finishes=finishes, errors=errors,
+                sync_sites_per_event={k: S.top_sites(c, per[k]) for k, c in sites.items()},
                 coverage=dict(base=base_coverage, after_burst=burst_coverage,
                               end=coverage(h)),
                 drain_steps_to_recover=len(r) if r and r[-1]["coverage"] >= base_coverage
@@ -310,6 +318,9 @@ def main(argv=None) -> int:
     print(f"  coverage: base {cov['base']:.3f}, after the burst {cov['after_burst']:.3f}, end "
           f"{cov['end']:.3f}; drain steps to recover: {result['drain_steps_to_recover']}"
           + (f"  ERRORS {result['errors']}" if result["errors"] else ""))
+    for event, sites in result["sync_sites_per_event"].items():
+        for site, per in list(sites.items())[:6]:
+            print(f"      {event:>9}: {per:6.2f} syncs at {site}")
     plot(result, meta, name)
     return 1 if result["errors"] else 0
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -150,22 +152,45 @@ def check_locations(h, source: str, ids: list, sel: torch.Tensor, loc: torch.Ten
 
 
 class SyncCounter:
-    """Counts synchronising CUDA calls (torch's sync debug mode warns once per call)."""
+    """Counts synchronising CUDA calls (torch's sync debug mode warns once per call).
+    With ``sites``, also where: each call adds one to ``sites[key]``, the key naming
+    the innermost project frames (``file:line`` of up to three, innermost first)."""
+
+    def __init__(self, sites: Counter | None = None):
+        self.sites = sites
 
     def __enter__(self):
         self.count = 0
-        self._w = warnings.catch_warnings(record=True)
-        self.log = self._w.__enter__()
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
         warnings.simplefilter("always")
+        self._prev, warnings.showwarning = warnings.showwarning, self._note
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("warn")
         return self
 
+    def _note(self, message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return self._prev(message, category, filename, lineno, file, line)
+        self.count += 1
+        if self.sites is not None:
+            self.sites[sync_site(traceback.extract_stack()[:-1])] += 1
+
     def __exit__(self, *exc):
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode("default")
-        self.count = sum("synchronizing" in str(w.message) for w in self.log)
+        warnings.showwarning = self._prev
         self._w.__exit__(*exc)
+
+
+def sync_site(frames) -> str:
+    ours = [f for f in frames if "vllm_dhisparse" in f.filename or "benchmarks" in f.filename]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(ours[-3:]))
+
+
+def top_sites(sites: Counter, per: int = 1, n: int = 25) -> dict:
+    """The ``n`` commonest sync sites, counts divided by ``per`` (steps or calls)."""
+    return {k: round(v / max(1, per), 3) for k, v in sites.most_common(n)}
 
 
 def decode_step(h, cfg, ids, truth, plans, step_no: int, n_hist: int, miss: float, dev,
@@ -287,7 +312,7 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
         plans[key] = (*plan[:3], calls)
     graph = capture_resolves(h, cfg, ids, plans) if cfg.get("graph") else None
     before = None
-    wall, gpu, syncs = [], [], []
+    wall, gpu, syncs, sites = [], [], [], Counter()
     times = {"append": [], "resolve": [], "step": []}
     for step in range(cfg["warmup"] + cfg["steps"]):
         no = cfg["check_steps"] + step
@@ -300,7 +325,7 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
         t0 = time.perf_counter()
-        with SyncCounter() as sc:
+        with SyncCounter(sites if step >= cfg["warmup"] else None) as sc:
             # a replayed step's locations are checked during warm-up (checked, then timed)
             err = decode_step(h, cfg, ids, truth, plans, no, n_hist, miss, dev, False, times,
                               graph=graph, verify=graph is not None and step < cfg["warmup"],
@@ -333,7 +358,8 @@ def run_batch(cfg: dict, n: int, miss: float, dev, resident: float) -> dict:
         step_gpu_ms=med(gpu) * 1e3 if gpu else None,
         append_ms=mean(times["append"][w:]) * 1e3, resolve_ms=mean(times["resolve"][w:]) * 1e3,
         step_call_ms=mean(times["step"][w:]) * 1e3,
-        host_syncs_per_step=med(syncs), profile=profile, bytes_fetched_per_step=moved["bytes_fetched"] / steps,
+        host_syncs_per_step=med(syncs), sync_sites_per_step=top_sites(sites, steps),
+        profile=profile, bytes_fetched_per_step=moved["bytes_fetched"] / steps,
         resolved_fraction=dict(direct=moved["direct"] / sel_total, hot=moved["hot"] / sel_total,
                                host=moved["host"] / sel_total))
 
@@ -394,6 +420,8 @@ def main(argv=None) -> int:
               f" {C.fmt_bytes(p['bytes_fetched_per_step'])} fetched;"
               f" direct / hot / host {f['direct']:.2f} / {f['hot']:.2f} / {f['host']:.2f}"
               + (f"  ERRORS {p['errors']}" if p["errors"] else ""))
+        for site, per in list(p["sync_sites_per_step"].items())[:6]:
+            print(f"      {per:6.2f} syncs/step at {site}")
     name = args.name or ("bench_hierarchy_step_smoke" if args.smoke else "bench_hierarchy_step")
     C.write_json(name, dict(meta=meta, config={k: v for k, v in cfg.items()}, miss=args.miss,
                             resident=args.resident, points=points))
