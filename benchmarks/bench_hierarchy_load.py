@@ -289,6 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compress", type=int, default=4, help="decode steps per appended row")
     ap.add_argument("--drain-steps", type=int, help="most decode steps after the burst")
     ap.add_argument("--name", default=None, help="results file stem")
+    ap.add_argument("--profile", action="store_true",
+                    help="run under torch.profiler and write its op tables next to the JSON "
+                         "(times are then the profiler's, not for the record)")
     args = ap.parse_args(argv)
     cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress)
     for key in ("batch", "burst", "history", "drain_steps"):
@@ -300,10 +303,22 @@ def main(argv=None) -> int:
     meta = C.metadata()
     print(f"# bench_hierarchy_load on {meta['device']} ({meta['date_utc']}): {cfg['batch']} "
           f"sessions + a burst of {cfg['burst']}, history {cfg['history']} rows, miss {args.miss:.0%}")
-    result = run(cfg, args.miss, dev, args.resident, args.repopulate)
-    result["summary"] = summary(result)
     name = args.name or ("bench_hierarchy_load_smoke" if args.smoke else "bench_hierarchy_load")
+    if args.profile:
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            result = run(cfg, args.miss, dev, args.resident, args.repopulate)
+        table = prof.key_averages()
+        with open(C.RESULTS / f"{name}_profile.txt", "w") as f:
+            for key in ("self_cpu_time_total", "cpu_time_total") + (
+                    ("self_cuda_time_total",) if dev.type == "cuda" else ()):
+                f.write(f"# sorted by {key}\n{table.table(sort_by=key, row_limit=40)}\n")
+    else:
+        result = run(cfg, args.miss, dev, args.resident, args.repopulate)
+    result["summary"] = summary(result)
     C.write_json(name, dict(meta=meta, config=cfg, miss=args.miss, resident=args.resident,
+                            profiled=args.profile,
                             repopulate=args.repopulate, **result))
     s, cov = result["summary"], result["coverage"]
     ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731 -- a phase may time no step

@@ -112,11 +112,17 @@ class HostStore:
     def slice(self, req_id: str, first: int, count: int) -> torch.Tensor:
         """Rows ``[first, first + count)`` of ``req_id``: a contiguous view of the pool
         (pinned on CUDA).  # [count, row_bytes] uint8"""
+        row = self.row_of(req_id, first, count)
+        return self.rows[row:row + count]
+
+    def row_of(self, req_id: str, first: int, count: int) -> int:
+        """Row of ``rows`` holding row ``first`` of ``req_id``, checked to have ``count``
+        rows of the request from there."""
         base, length = self._extent[self._require(req_id)]
         if first < 0 or count < 0 or first + count > length:
             raise IndexError(f"host store {self.name!r}: request {req_id!r} rows "
                              f"[{first}, {first + count}) outside [0, {length})")
-        return self.rows[base + first:base + first + count]
+        return base + first
 
     def backup_slices(self, req_id: str, firsts: list[int], count: int) -> list[torch.Tensor]:
         """Where backups of ``count`` rows of ``req_id`` from each of ``firsts`` write:

@@ -280,6 +280,7 @@ class ResidencyManager:
         order = list(self.requests)
         limit = min(max_pages, self.pool.num_free - self.reserve)
         issued = idle = 0
+        chosen: list[tuple[RequestPages, int, int]] = []  # (request, history page, device page)
         eligible: dict[str, list[int]] = {}  # listed once per call, on a request's first turn
         while issued < limit and idle < len(order):
             i = self._cursor % len(order)
@@ -296,13 +297,17 @@ class ResidencyManager:
                 idle += 1
                 continue
             idle = 0
-            dev = self.pool.allocate(1)[0]
-            ps = self.page_size
-            src = self.host.slice(rec.req_id, page * ps, ps)  # contiguous, pinned on CUDA
-            dst = self.pool.plane_rows(self.pool.first_row(dev), ps)
-            rec.pending[page] = PendingPage(dev, self.host.copies.to_device(dst, src))
-            self._populating[rec.req_id] = rec
+            chosen.append((rec, page, self.pool.allocate(1)[0]))
             issued += 1
+        if chosen:  # one copy for every page of the call
+            ps = self.page_size
+            src = [self.host.row_of(rec.req_id, page * ps, ps) for rec, page, _ in chosen]
+            dst = [self.pool.first_row(dev) for _, _, dev in chosen]
+            transfer = self.host.copies.pages_to_device(self.host.rows, self.pool.planes,
+                                                        src, dst, ps)
+            for rec, page, dev in chosen:
+                rec.pending[page] = PendingPage(dev, transfer)
+                self._populating[rec.req_id] = rec
         return issued
 
     def _wait_populations(self, rec: RequestPages) -> None:
@@ -313,9 +318,16 @@ class ResidencyManager:
         """Publishes pending pages whose copy has finished (polled: a copy still in flight
         stays pending, its rows served by hot cache / host meanwhile)."""
         req_slots, pages, rows = [], [], []
+        done: dict[int, bool] = {}  # a call's pages share one transfer: query it once
+
+        def finished(t: Transfer) -> bool:
+            if id(t) not in done:
+                done[id(t)] = t.done()
+            return done[id(t)]
+
         for rec in list(self._populating.values()):
             req_slot = self.source.req_slot(rec.req_id)
-            for page in sorted(page for page, p in rec.pending.items() if p.transfer.done()):
+            for page in sorted(page for page, p in rec.pending.items() if finished(p.transfer)):
                 p = rec.pending.pop(page)
                 rec.optional[page] = p.device_page
                 req_slots.append(req_slot)

@@ -56,6 +56,9 @@ class SourceState:
         self.hot_stamp = torch.zeros((max_req_slots, self.hot_cache_rows), **i32)
         self.hot_clock = torch.zeros(max_req_slots, **i32)
         self.hot_slot_of = torch.full((max_req_slots, max_rows), -1, **i32)
+        # a device-side -1 for index_put_: a Python scalar would be copied from the host
+        # with a synchronisation on every unpublish
+        self._no_row = torch.full((), -1, **i32)
         self.seq_lens = torch.zeros(max_req_slots, **i32)
         self._seq_len_host = np.zeros(max_req_slots, dtype=np.int64)
         self.host_base = torch.zeros(max_req_slots, dtype=torch.int64, device=self.device)
@@ -80,8 +83,8 @@ class SourceState:
         self._req_slot_of[req_id] = req_slot
         self._batch = None
         self._reset(req_slot)
-        self.hot_loc[req_slot] = hot_loc.to(self.hot_loc)
-        self.host_base[req_slot] = host_base
+        self.hot_loc[req_slot] = hot_loc.to(self.device, self.hot_loc.dtype, non_blocking=True)
+        self.host_base[req_slot:req_slot + 1] = host_base
         return req_slot
 
     def close_req_slot(self, req_id: str) -> None:
@@ -91,15 +94,18 @@ class SourceState:
         self._free_req_slots.append(req_slot)
 
     def _reset(self, req_slot: int) -> None:
-        self.page_table[req_slot] = -1
-        self.hot_pos[req_slot] = -1
-        self.hot_loc[req_slot] = -1
-        self.hot_stamp[req_slot] = 0
-        self.hot_clock[req_slot] = 0
-        self.hot_slot_of[req_slot] = -1
-        self.seq_lens[req_slot] = 0
+        # slices, never an int index: writing a Python scalar into a 0-d view of a device
+        # tensor is a host-to-device copy that synchronises; a slice is a fill
+        r = slice(req_slot, req_slot + 1)
+        self.page_table[r] = -1
+        self.hot_pos[r] = -1
+        self.hot_loc[r] = -1
+        self.hot_stamp[r] = 0
+        self.hot_clock[r] = 0
+        self.hot_slot_of[r] = -1
+        self.seq_lens[r] = 0
         self._seq_len_host[req_slot] = 0
-        self.host_base[req_slot] = 0
+        self.host_base[r] = 0
 
     def require(self, req_id: str) -> str:
         if req_id not in self._req_slot_of:
@@ -132,7 +138,7 @@ class SourceState:
     # -- direct map ---------------------------------------------------------
     def publish_page(self, req_id: str, page: int, device_row: int) -> None:
         """Makes history page ``page`` resolvable directly.  Call only after its copy completed."""
-        self.page_table[self.req_slot(req_id), page] = device_row
+        self.page_table[self.req_slot(req_id), page:page + 1] = device_row
 
     def publish_pages(self, req_slots: list[int], pages: list[int],
                       device_rows: list[int]) -> None:
@@ -146,7 +152,7 @@ class SourceState:
         directly: one write."""
         if pages:
             rows = req_slot if isinstance(req_slot, int) else host_index(req_slot, self.device)
-            self.page_table[rows, host_index(pages, self.device)] = -1
+            self.page_table[rows, host_index(pages, self.device)] = self._no_row
 
     def set_seq_lens(self, req_slots: list[int], rows: list[int]) -> None:
         """Lengths of many request slots at once (callers check them): one write."""
@@ -159,7 +165,7 @@ class SourceState:
             raise ValueError(f"source {self.name!r}: request {req_id!r} length {rows} "
                              f"outside [0, {self.max_rows}]")
         req_slot = self.req_slot(req_id)
-        self.seq_lens[req_slot] = rows
+        self.seq_lens[req_slot:req_slot + 1] = rows
         self._seq_len_host[req_slot] = rows
 
     def seq_len(self, req_id: str) -> int:

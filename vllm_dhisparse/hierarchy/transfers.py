@@ -12,12 +12,16 @@ written in place, in one contiguous slice of the pinned store.
 
 Rows stored in several planes (``DevicePagePool.planes``) travel through one
 contiguous device buffer allocated on the copy stream, so each direction is a
-single host<->device copy of whole rows.  On CPU every copy is synchronous.
+single host<->device copy of whole rows.  Repopulation copies many pages from
+scattered host extents at once: one gather launch per plane reads them from
+pinned memory (``pages_to_device``), so its cost does not grow with the pages
+of a step.  On CPU every copy is synchronous.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .devices import canonical_device
@@ -83,17 +87,27 @@ class CopyStream:
             # copy stream has read them
             return self._end(rows, *dsts, *(plane for _, plane in planes))
 
-    def to_device(self, dst: Planes, src: torch.Tensor) -> Transfer:
-        """Device planes ``dst`` <- ``src`` ([n, W] contiguous host slice)."""
+    def pages_to_device(self, host_rows: torch.Tensor, planes: Planes, src_first: list[int],
+                        dst_first: list[int], page_size: int) -> Transfer:
+        """Device rows ``dst_first[i] + j`` of every plane (the pool's ``[(first byte,
+        [R, plane bytes])]``) <- host rows ``src_first[i] + j`` of ``host_rows`` ([R_host, W],
+        pinned on CUDA), ``j < page_size``: one launch per plane and one event for all
+        pages, whatever their number."""
+        src = (np.asarray(src_first, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
+        dst = (np.asarray(dst_first, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
         if self.stream is None:
-            for start, plane in dst:
-                plane.copy_(src[:, start:start + plane.shape[1]])
+            src_t, dst_t = torch.from_numpy(src[0]), torch.from_numpy(dst[0])
+            for start, plane in planes:
+                plane[dst_t] = host_rows[src_t, start:start + plane.shape[1]]
             return Transfer()
+        from vllm_dhisparse.triton_kernels.gather import gather_rows
         with self._begin():
-            if len(dst) == 1 and dst[0][1].is_contiguous():
-                dst[0][1].copy_(src, non_blocking=True)
-                return self._end(src, dst[0][1])
-            rows = src.to(self.device, non_blocking=True)
-            for start, plane in dst:
-                plane.copy_(rows[:, start:start + plane.shape[1]], non_blocking=True)
-            return self._end(src, rows)
+            # pageable -> device without waiting: the driver stages the source before the
+            # call returns, and the copy is ordered before the gathers on this stream
+            src_t = torch.from_numpy(src).to(self.device, non_blocking=True)  # [1, M] int64
+            dst_t = torch.from_numpy(dst.astype(np.int32)).to(self.device, non_blocking=True)
+            count = torch.full((1,), src.shape[1], dtype=torch.int32, device=self.device)
+            for start, plane in planes:
+                rows = host_rows if len(planes) == 1 else host_rows[:, start:start + plane.shape[1]]
+                gather_rows(rows, plane, src_t, dst_t, count)
+            return self._end(src_t, dst_t, count)
