@@ -32,6 +32,7 @@ pages repopulated).  Results: ``results/bench_hierarchy_load.{json,png}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections import Counter
@@ -171,7 +172,17 @@ def timed(dev, fn, sites: Counter):
     return out, (time.perf_counter() - t0) * 1e3, sc.count
 
 
-def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
+def profiler(dev, on: bool):
+    if not on:
+        return contextlib.nullcontext()
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []))
+
+
+def run(cfg: dict, miss: float, dev, resident: float, repopulate: int,
+        profile: bool = False) -> dict:
+    """The three phases; with ``profile`` the burst's admissions and the drain run under
+    torch.profiler (``profiles``: part -> profiler)."""
     n, m = cfg["batch"], cfg["burst"]
     h, ids, truth, max_rows, lens = build(cfg, dev, resident, repopulate)
     rows = min(lens)
@@ -187,19 +198,23 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
     no = cfg["steps"]
 
     admissions = []
-    for i in range(n, n + m):
-        before = totals(h)
-        ok, ms, syncs = timed(dev, lambda: h.admit(ids[i], max_rows,
-                                                   {s: truth[s][i, :lens[i]] for s in S.SOURCES}),
-                                sites["admission"])
-        if not ok:
-            errors.append(f"burst: admission of {ids[i]} waited (pool too small for the burst)")
-            break
-        d = {k: v - before[k] for k, v in totals(h).items()}
-        admissions.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs,
-                               pages_reclaimed=d["pages_reclaimed"],
-                               bytes_to_host=d["host_pages_written"] * cfg["page_size"]
-                               * cfg["row_bytes"]))
+    prof_adm, prof_drain = profiler(dev, profile), profiler(dev, profile)
+    with prof_adm:
+        for i in range(n, n + m):
+            before = totals(h)
+            ok, ms, syncs = timed(dev, lambda: h.admit(ids[i], max_rows,
+                                                       {s: truth[s][i, :lens[i]]
+                                                        for s in S.SOURCES}),
+                                  sites["admission"])
+            if not ok:
+                errors.append(f"burst: admission of {ids[i]} waited (pool too small for the "
+                              f"burst)")
+                break
+            d = {k: v - before[k] for k, v in totals(h).items()}
+            admissions.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs,
+                                   pages_reclaimed=d["pages_reclaimed"],
+                                   bytes_to_host=d["host_pages_written"] * cfg["page_size"]
+                                   * cfg["row_bytes"]))
     burst_coverage = coverage(h)
     all_pos = base_pos + list(range(n, n + min(sample, len(admissions))))
     everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2, rows=rows)
@@ -214,8 +229,9 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
         _, ms, syncs = timed(dev, lambda: h.finish(ids[i]), sites["finish"])
         finishes.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs))
     drain = Phase(h, cfg, ids[:n], miss, dev, seed=3, rows=rows)
-    r, e = run_steps(h, cfg, drain, truth, no, cfg["drain_steps"], dev, base_pos, "drain",
-                     sites["drain"], stop_at=base_coverage)
+    with prof_drain:
+        r, e = run_steps(h, cfg, drain, truth, no, cfg["drain_steps"], dev, base_pos, "drain",
+                         sites["drain"], stop_at=base_coverage)
     records += r
     errors += e
     timed_of = {p: sum(1 for x in records if x["phase"] == p and not x["checked"])
@@ -226,7 +242,8 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int) -> dict:
                 coverage=dict(base=base_coverage, after_burst=burst_coverage,
                               end=coverage(h)),
                 drain_steps_to_recover=len(r) if r and r[-1]["coverage"] >= base_coverage
-                else None)
+                else None,
+                **(dict(profiles=dict(admission=prof_adm, drain=prof_drain)) if profile else {}))
 
 
 def summary(result: dict) -> dict:
@@ -304,18 +321,14 @@ def main(argv=None) -> int:
     print(f"# bench_hierarchy_load on {meta['device']} ({meta['date_utc']}): {cfg['batch']} "
           f"sessions + a burst of {cfg['burst']}, history {cfg['history']} rows, miss {args.miss:.0%}")
     name = args.name or ("bench_hierarchy_load_smoke" if args.smoke else "bench_hierarchy_load")
+    result = run(cfg, args.miss, dev, args.resident, args.repopulate, profile=args.profile)
     if args.profile:
-        acts = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            result = run(cfg, args.miss, dev, args.resident, args.repopulate)
-        table = prof.key_averages()
         with open(C.RESULTS / f"{name}_profile.txt", "w") as f:
-            for key in ("self_cpu_time_total", "cpu_time_total") + (
-                    ("self_cuda_time_total",) if dev.type == "cuda" else ()):
-                f.write(f"# sorted by {key}\n{table.table(sort_by=key, row_limit=40)}\n")
-    else:
-        result = run(cfg, args.miss, dev, args.resident, args.repopulate)
+            for part, prof in result.pop("profiles").items():
+                table = prof.key_averages()
+                for key in ("self_cpu_time_total",) + (
+                        ("self_cuda_time_total",) if dev.type == "cuda" else ()):
+                    f.write(f"# {part}, sorted by {key}\n{table.table(sort_by=key, row_limit=30)}\n")
     result["summary"] = summary(result)
     C.write_json(name, dict(meta=meta, config=cfg, miss=args.miss, resident=args.resident,
                             profiled=args.profile,

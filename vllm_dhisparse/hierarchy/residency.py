@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .device_pool import DevicePagePool
@@ -189,16 +190,18 @@ class ResidencyManager:
         self.counters.pages_reclaimed += len(pages)
         return len(pages)
 
-    def _complete_pages(self, rec: RequestPages) -> torch.Tensor:
-        """Which complete imported pages have a host copy.  # [eligible_pages] bool (CPU)"""
+    def _complete_pages(self, rec: RequestPages) -> np.ndarray:
+        """Which complete imported pages have a host copy.  # [eligible_pages] bool
+        (numpy: repopulation lists pages of many requests per step, and small torch ops
+        on the host cost several times more)"""
         full, ps = rec.eligible_pages, self.page_size
-        return self.host.backed(rec.req_id)[:full * ps].view(full, ps).all(1)
+        return self.host.backed(rec.req_id).numpy()[:full * ps].reshape(full, ps).all(1)
 
     def _unbacked(self, rec: RequestPages) -> list[int]:
         """Optional pages without a host copy (deferred backups), ascending."""
         if not rec.optional:
             return []
-        pages = torch.tensor(sorted(rec.optional))
+        pages = np.array(sorted(rec.optional), dtype=np.int64)
         return pages[~self._complete_pages(rec)[pages]].tolist()
 
     def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None) -> RequestPages:
@@ -268,8 +271,8 @@ class ResidencyManager:
         ok = self._complete_pages(rec)
         taken = list(rec.optional) + list(rec.pending)
         if taken:
-            ok[torch.tensor(taken)] = False
-        return ok.nonzero().flatten().flip(0).tolist()
+            ok[np.array(taken, dtype=np.int64)] = False
+        return np.flatnonzero(ok)[::-1].tolist()
 
     def repopulate(self, max_pages: int) -> int:
         """Issues up to ``max_pages`` page copies, one page per request per turn, round-robin
