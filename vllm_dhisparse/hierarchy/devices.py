@@ -7,6 +7,7 @@ through :func:`same_device`.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -27,3 +28,8 @@ def host_index(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 index tensor built on the host and copied without waiting for the device
     (no host synchronisation per call; the copy is ordered before later work)."""
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def host_indices(*columns: list[int], device: torch.device) -> torch.Tensor:
+    """:func:`host_index` of several equally long lists in one copy.  # [len(columns), n] int64"""
+    return torch.from_numpy(np.array(columns, dtype=np.int64)).to(device, non_blocking=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .devices import canonical_device, host_index
+from .devices import canonical_device, host_index, host_indices
 
 
 class SourceState:
@@ -63,6 +63,9 @@ class SourceState:
         self._seq_len_host = np.zeros(max_req_slots, dtype=np.int64)
         self.host_base = torch.zeros(max_req_slots, dtype=torch.int64, device=self.device)
         self._free_req_slots = list(range(max_req_slots - 1, -1, -1))
+        # request slots whose table rows hold the reset values (as built, or reset on
+        # close): opening one writes no table row but its hot cache and host base
+        self._clean = set(range(max_req_slots))
         self._req_slot_of: dict[str, int] = {}
         # req_slot_tensor() of the last batch
         self._batch: tuple[tuple[str, ...], torch.Tensor] | None = None
@@ -82,7 +85,9 @@ class SourceState:
         req_slot = self._free_req_slots.pop()
         self._req_slot_of[req_id] = req_slot
         self._batch = None
-        self._reset(req_slot)
+        if req_slot not in self._clean:
+            self._reset(req_slot)
+        self._clean.discard(req_slot)
         self.hot_loc[req_slot] = hot_loc.to(self.device, self.hot_loc.dtype, non_blocking=True)
         self.host_base[req_slot:req_slot + 1] = host_base
         return req_slot
@@ -91,6 +96,7 @@ class SourceState:
         req_slot = self._req_slot_of.pop(self.require(req_id))
         self._batch = None
         self._reset(req_slot)
+        self._clean.add(req_slot)
         self._free_req_slots.append(req_slot)
 
     def _reset(self, req_slot: int) -> None:
@@ -144,20 +150,24 @@ class SourceState:
                       device_rows: list[int]) -> None:
         """:meth:`publish_page` for many (req_slot, page) at once: one write."""
         if req_slots:
-            self.page_table[host_index(req_slots, self.device), host_index(pages, self.device)] = \
-                host_index(device_rows, self.device).int()
+            idx = host_indices(req_slots, pages, device_rows, device=self.device)  # [3, n]
+            self.page_table[idx[0], idx[1]] = idx[2].int()
 
     def unpublish_pages(self, req_slot: int | list[int], pages: list[int]) -> None:
         """Makes ``pages`` of one request slot (or one request slot per page) unresolvable
         directly: one write."""
         if pages:
-            rows = req_slot if isinstance(req_slot, int) else host_index(req_slot, self.device)
-            self.page_table[rows, host_index(pages, self.device)] = self._no_row
+            if isinstance(req_slot, int):
+                self.page_table[req_slot, host_index(pages, self.device)] = self._no_row
+            else:
+                idx = host_indices(req_slot, pages, device=self.device)  # [2, n]
+                self.page_table[idx[0], idx[1]] = self._no_row
 
     def set_seq_lens(self, req_slots: list[int], rows: list[int]) -> None:
         """Lengths of many request slots at once (callers check them): one write."""
         if len(req_slots):
-            self.seq_lens[host_index(req_slots, self.device)] = host_index(rows, self.device).int()
+            idx = host_indices(req_slots, rows, device=self.device)  # [2, n]
+            self.seq_lens[idx[0]] = idx[1].int()
             self._seq_len_host[np.asarray(req_slots, dtype=np.int64)] = rows
 
     def set_seq_len(self, req_id: str, rows: int) -> None:
