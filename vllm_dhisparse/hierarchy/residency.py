@@ -128,6 +128,11 @@ class ResidencyManager:
         # requests known to have no page to repopulate (until a reclaim changes that)
         self._populating: dict[str, RequestPages] = {}
         self._settled: set[str] = set()
+        # request -> its eligible pages not issued yet, highest first (popped lowest
+        # first).  Listed on the request's first turn after admission or a reclaim, the
+        # only events that make pages eligible, and kept across steps: a step visits
+        # many requests for a few pages each
+        self._eligible_left: dict[str, list[int]] = {}
 
     # -- accounting (eq. 3) ---------------------------------------------------------
     def required_pages(self) -> int:
@@ -178,6 +183,7 @@ class ResidencyManager:
             self.host.complete_backup(issued[-1])
         self.counters.host_pages_written += len(unbacked)
         self._settled.discard(req_id)  # its dropped pages are eligible again
+        self._eligible_left.pop(req_id, None)
         # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
         self.source.unpublish_pages(self.source.req_slot(req_id), list(rec.optional))
         self._wait_populations(rec)  # pending pages are host-backed already; just drop them
@@ -284,19 +290,19 @@ class ResidencyManager:
         limit = min(max_pages, self.pool.num_free - self.reserve)
         issued = idle = 0
         chosen: list[tuple[RequestPages, int, int]] = []  # (request, history page, device page)
-        eligible: dict[str, list[int]] = {}  # listed once per call, on a request's first turn
         while issued < limit and idle < len(order):
             i = self._cursor % len(order)
             self._cursor = i + 1
             rec = self.requests[order[i]]
             page = None
             if rec.req_id not in self._settled:
-                pages = eligible.get(rec.req_id)
+                pages = self._eligible_left.get(rec.req_id)
                 if pages is None:
-                    pages = eligible[rec.req_id] = self._eligible(rec)[::-1]  # lowest first
+                    pages = self._eligible_left[rec.req_id] = self._eligible(rec)[::-1]
                 page = pages.pop() if pages else None
             if page is None:
                 self._settled.add(rec.req_id)
+                self._eligible_left.pop(rec.req_id, None)
                 idle += 1
                 continue
             idle = 0
@@ -352,6 +358,7 @@ class ResidencyManager:
         del self.requests[req_id]
         self._populating.pop(req_id, None)
         self._settled.discard(req_id)
+        self._eligible_left.pop(req_id, None)
         self.tail.forget(req_id)
         self.pool.free(rec.owned_pages())
         self.source.close_req_slot(req_id)
