@@ -17,7 +17,7 @@ import torch
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-PS, HIST, N = 16, 256, 6
+PS, HIST, N = 16, 256, 6  # max_rows leaves room for 4 pages of appends
 
 
 @contextlib.contextmanager
@@ -42,7 +42,7 @@ def build():
              for name, planes in (("one", None), ("two", (16, 8)))]
     h = KVHierarchy(specs, device=DEV, repopulate_pages_per_step=4)
     g = torch.Generator(device=DEV).manual_seed(0)
-    truth = torch.randint(0, 256, (N + 1, max_rows, 24), generator=g, dtype=torch.uint8,
+    truth = torch.randint(0, 256, (N + 2, max_rows, 24), generator=g, dtype=torch.uint8,
                           device=DEV)
     return h, truth, max_rows
 
@@ -58,23 +58,37 @@ def test_admission_reclaim_step_repopulation_and_finish_do_not_synchronise():
     reclaimed = sum(p.residency.counters.pages_reclaimed for p in h.sources.values())
     assert reclaimed > 0
     sel = torch.randint(0, HIST, (N + 1, 1, 8), dtype=torch.int32, device=DEV)
+    steps = 3 * PS  # a row per request and step: tail pages complete and are backed up
     with no_sync():
         h.finish(ids[N])
-        for step in range(3 * PS):
+        for step in range(steps):
             for s in h.sources:
-                if step % 4 == 0:  # a row per request every fourth step, as c4a appends
-                    h.append_batch(s, ids[:N], truth[:N, HIST + 3 + step // 4])
+                h.append_batch(s, ids[:N], truth[:N, HIST + 3 + step])
                 h.resolve(s, ids[:N], sel[:N], validate=False)
             h.step()
     if DEV == "cuda":
         torch.cuda.synchronize()
-    repopulated = sum(p.residency.counters.pages_repopulated for p in h.sources.values())
-    assert repopulated > 0
-    for s in h.sources:  # every location reads its row, repopulated pages included
+    counters = [p.residency.counters for p in h.sources.values()]
+    assert sum(c.pages_repopulated for c in counters) > 0
+    assert sum(c.host_pages_written for c in counters) > reclaimed  # tail backups too
+    # the finished request's slot opens again without a reset; the newcomer decodes too
+    ids.append("again")
+    with no_sync():
+        assert h.admit("again", max_rows, {s: truth[N + 1, :HIST + 3] for s in h.sources})
+        for step in range(PS):
+            for s in h.sources:
+                rows = torch.cat([truth[:N, HIST + 3 + steps + step],
+                                  truth[N + 1:, HIST + 3 + step]])
+                h.append_batch(s, ids[:N] + ["again"], rows)
+                h.resolve(s, ids[:N] + ["again"], sel, validate=False)
+            h.step()
+    lens = {rid: HIST + 3 + steps + PS for rid in ids[:N]} | {"again": HIST + 3 + PS}
+    rows_of = {rid: truth[i] for i, rid in enumerate(ids[:N])} | {"again": truth[N + 1]}
+    for s in h.sources:  # every location reads its row: repopulated, backed-up, appended
         parts = h.source(s)
-        for i in range(N):
-            for first in range(0, HIST, 16):
+        for rid in lens:
+            for first in range(0, lens[rid] - 16 + 1, 16):
                 rows = torch.arange(first, first + 16, dtype=torch.int32, device=DEV)
-                loc, _ = h.resolve(s, [ids[i]], rows.view(1, 1, -1))
+                loc, _ = h.resolve(s, [rid], rows.view(1, 1, -1))
                 assert torch.equal(parts.pool.read(loc[0, 0].long()).to(DEV),
-                                   truth[i, first:first + 16]), (s, i, first)
+                                   rows_of[rid][first:first + 16]), (s, rid, first)

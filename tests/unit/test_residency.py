@@ -308,6 +308,39 @@ def test_a_reclaimed_request_is_repopulated_again():
     verify_resolves(h, truth, "r0")
 
 
+def test_a_repopulation_copy_that_raises_gives_its_pages_back():
+    """A batched repopulation copy that fails leaves no device page allocated to nobody,
+    and the pages it would have copied are issued again by the next step."""
+    h, truth = make(15, repopulate_pages_per_step=2)
+    assert admit(h, truth, "f", 0)
+    assert admit(h, truth, "r0", 8)
+    assert admit(h, truth, "r1", 8)
+    assert admit(h, truth, "r2", 8)  # reclaims r0
+    h.finish("f")
+    truth.pop("f")
+    parts = h.sources["s"]
+    free = parts.pool.num_free
+    copies = parts.host.copies
+    real = copies.pages_to_device
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy refused")
+
+    copies.pages_to_device = broken
+    with pytest.raises(RuntimeError, match="copy refused"):
+        h.step()
+    copies.pages_to_device = real
+    assert parts.pool.num_free == free
+    assert rec(h, "r0").pending == {}
+    check_invariants(h, truth)
+    h.step()
+    assert sorted(rec(h, "r0").pending) == [3]
+    h.step()
+    assert sorted(rec(h, "r0").optional) == [3]
+    check_invariants(h, truth)
+    verify_resolves(h, truth, "r0")
+
+
 def test_a_readmitted_request_resolves_through_its_new_request_slot():
     """Resolving the same batch again reuses its request-slot tensor; a request slot that
     closed and opened in between must not leave a stale one (a would read c's rows)."""

@@ -128,8 +128,8 @@ class ResidencyManager:
         # requests known to have no page to repopulate (until a reclaim changes that)
         self._populating: dict[str, RequestPages] = {}
         self._settled: set[str] = set()
-        # request -> its eligible pages not issued yet, highest first (popped lowest
-        # first).  Listed on the request's first turn after admission or a reclaim, the
+        # request -> its eligible pages not issued yet, lowest first (popped highest
+        # first: recent history is the likeliest to be selected).  Listed on the request's first turn after admission or a reclaim, the
         # only events that make pages eligible, and kept across steps: a step visits
         # many requests for a few pages each
         self._eligible_left: dict[str, list[int]] = {}
@@ -312,8 +312,15 @@ class ResidencyManager:
             ps = self.page_size
             src = [self.host.row_of(rec.req_id, page * ps, ps) for rec, page, _ in chosen]
             dst = [self.pool.first_row(dev) for _, _, dev in chosen]
-            transfer = self.host.copies.pages_to_device(self.host.rows, self.pool.planes,
-                                                        src, dst, ps)
+            try:
+                transfer = self.host.copies.pages_to_device(self.host.rows, self.pool.planes,
+                                                            src, dst, ps)
+            except BaseException:  # nothing was issued: the pages go back, and are listed again
+                self.pool.free([dev for _, _, dev in chosen])
+                for rec, _, _ in chosen:
+                    self._eligible_left.pop(rec.req_id, None)
+                    self._settled.discard(rec.req_id)
+                raise
             for rec, page, dev in chosen:
                 rec.pending[page] = PendingPage(dev, transfer)
                 self._populating[rec.req_id] = rec

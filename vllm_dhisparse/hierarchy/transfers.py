@@ -95,6 +95,8 @@ class CopyStream:
         pages, whatever their number."""
         src = (np.asarray(src_first, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
         dst = (np.asarray(dst_first, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
+        if dst.size and dst.max() >= 2**31:  # the gather's device rows are int32
+            raise ValueError(f"device row {int(dst.max())} does not fit int32")
         if self.stream is None:
             src_t, dst_t = torch.from_numpy(src[0]), torch.from_numpy(dst[0])
             for start, plane in planes:
