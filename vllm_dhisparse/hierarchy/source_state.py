@@ -56,9 +56,6 @@ class SourceState:
         self.hot_stamp = torch.zeros((max_req_slots, self.hot_cache_rows), **i32)
         self.hot_clock = torch.zeros(max_req_slots, **i32)
         self.hot_slot_of = torch.full((max_req_slots, max_rows), -1, **i32)
-        # a device-side -1 for index_put_: a Python scalar would be copied from the host
-        # with a synchronisation on every unpublish
-        self._no_row = torch.full((), -1, **i32)
         self.seq_lens = torch.zeros(max_req_slots, **i32)
         self._seq_len_host = np.zeros(max_req_slots, dtype=np.int64)
         self.host_base = torch.zeros(max_req_slots, dtype=torch.int64, device=self.device)
@@ -155,13 +152,13 @@ class SourceState:
 
     def unpublish_pages(self, req_slot: int | list[int], pages: list[int]) -> None:
         """Makes ``pages`` of one request slot (or one request slot per page) unresolvable
-        directly: one write."""
+        directly: one write.  ``index_fill_`` on the flat table takes -1 as a kernel
+        argument; assigning a Python scalar through advanced indexing would copy it from
+        the host with a synchronisation."""
         if pages:
-            if isinstance(req_slot, int):
-                self.page_table[req_slot, host_index(pages, self.device)] = self._no_row
-            else:
-                idx = host_indices(req_slot, pages, device=self.device)  # [2, n]
-                self.page_table[idx[0], idx[1]] = self._no_row
+            flat = np.asarray(req_slot, dtype=np.int64) * self.max_pages \
+                + np.asarray(pages, dtype=np.int64)
+            self.page_table.view(-1).index_fill_(0, host_index(flat, self.device), -1)
 
     def set_seq_lens(self, req_slots: list[int], rows: list[int]) -> None:
         """Lengths of many request slots at once (callers check them): one write."""
