@@ -287,6 +287,16 @@ def test_repopulation_is_bounded_and_round_robin():
         verify_resolves(h, truth, r)
 
 
+def repopulates_r0(h, truth):
+    """r0's reclaimed page 3 is issued by the next step, ready after another, and read back."""
+    h.step()
+    assert sorted(rec(h, "r0").pending) == [3]
+    h.step()
+    assert sorted(rec(h, "r0").optional) == [3]
+    check_invariants(h, truth)
+    verify_resolves(h, truth, "r0")
+
+
 def test_a_reclaimed_request_is_repopulated_again():
     """step() remembers requests with nothing to repopulate; a reclaim must make their
     dropped pages eligible again."""
@@ -300,12 +310,7 @@ def test_a_reclaimed_request_is_repopulated_again():
     assert len(rec(h, "r0").optional) == 0
     h.finish("f")
     truth.pop("f")
-    h.step()
-    assert sorted(rec(h, "r0").pending) == [3]
-    h.step()
-    assert sorted(rec(h, "r0").optional) == [3]
-    check_invariants(h, truth)
-    verify_resolves(h, truth, "r0")
+    repopulates_r0(h, truth)
 
 
 def test_a_repopulation_copy_that_raises_gives_its_pages_back():
@@ -333,12 +338,7 @@ def test_a_repopulation_copy_that_raises_gives_its_pages_back():
     assert parts.pool.num_free == free
     assert rec(h, "r0").pending == {}
     check_invariants(h, truth)
-    h.step()
-    assert sorted(rec(h, "r0").pending) == [3]
-    h.step()
-    assert sorted(rec(h, "r0").optional) == [3]
-    check_invariants(h, truth)
-    verify_resolves(h, truth, "r0")
+    repopulates_r0(h, truth)
 
 
 def test_a_readmitted_request_resolves_through_its_new_request_slot():

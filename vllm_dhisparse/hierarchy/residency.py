@@ -129,9 +129,10 @@ class ResidencyManager:
         self._populating: dict[str, RequestPages] = {}
         self._settled: set[str] = set()
         # request -> its eligible pages not issued yet, lowest first (popped highest
-        # first: recent history is the likeliest to be selected).  Listed on the request's first turn after admission or a reclaim, the
-        # only events that make pages eligible, and kept across steps: a step visits
-        # many requests for a few pages each
+        # first: recent history is the likeliest to be selected).  Listed on the
+        # request's first turn after admission or a reclaim, the only events that make
+        # pages eligible, and kept across steps: a step visits many requests for a few
+        # pages each
         self._eligible_left: dict[str, list[int]] = {}
 
     # -- accounting (eq. 3) ---------------------------------------------------------

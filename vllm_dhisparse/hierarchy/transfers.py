@@ -93,8 +93,7 @@ class CopyStream:
         [R, plane bytes])]``) <- host rows ``src_first[i] + j`` of ``host_rows`` ([R_host, W],
         pinned on CUDA), ``j < page_size``: one launch per plane and one event for all
         pages, whatever their number."""
-        src = (np.asarray(src_first, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
-        dst = (np.asarray(dst_first, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
+        src, dst = _page_rows(src_first, page_size), _page_rows(dst_first, page_size)
         if dst.size and dst.max() >= 2**31:  # the gather's device rows are int32
             raise ValueError(f"device row {int(dst.max())} does not fit int32")
         if self.stream is None:
@@ -113,3 +112,9 @@ class CopyStream:
                 rows = host_rows if len(planes) == 1 else host_rows[:, start:start + plane.shape[1]]
                 gather_rows(rows, plane, src_t, dst_t, count)
             return self._end(src_t, dst_t, count)
+
+
+def _page_rows(firsts: list[int], page_size: int) -> np.ndarray:
+    """Every row of the pages starting at ``firsts``, in order.
+    # [1, len(firsts) * page_size] int64"""
+    return (np.asarray(firsts, dtype=np.int64)[:, None] + np.arange(page_size)).reshape(1, -1)
