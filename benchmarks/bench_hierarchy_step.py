@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vllm_dhisparse.hierarchy import pinned  # noqa: E402
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
 
 FULL = dict(batches=(16, 64, 256, 512), top_k=512, row_bytes=584, plane_bytes=(576, 8),
@@ -389,12 +390,16 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also run torch.profiler over 4 more steps per batch (CUDA); the table "
                          "goes to results/<name>_profile_b<batch>.txt")
+    ap.add_argument("--host-pages", choices=("huge", "4k"), default="huge",
+                    help="pages of the pinned host pools: advised for transparent huge pages "
+                         "(the host store's default) or 4 KiB")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
+    pinned.HUGE_PAGES = args.host_pages == "huge"
     cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append,
                stagger=args.stagger,
                validate="step" if args.graph else args.validate, profile=args.profile,
-               graph=args.graph)
+               graph=args.graph, host_pages=args.host_pages)
     if args.batches:
         cfg["batches"] = tuple(args.batches)
     if args.history:

@@ -163,6 +163,22 @@ def test_pinned_pool_is_exactly_sized_and_readable_by_kernels():
     assert torch.equal(dev.cpu(), rows[100:116])
 
 
+def test_registered_region_starts_on_a_huge_page_boundary():
+    """Huge pages back only 2 MiB-aligned ranges: the registered part of the mapping
+    starts on one (and without the advice, where the mapping starts)."""
+    from vllm_dhisparse.hierarchy import pinned
+    for huge in (True, False):
+        seen = []
+        buf = pinned.host_buffer(3 * 4096 + 5, pin=True, huge_pages=huge,
+                                 register=lambda p, n: seen.append((p, n)) or 0,
+                                 unregister=lambda p: None)
+        (ptr, n), = seen
+        assert n == 3 * 4096 + 5 and buf.data_ptr() == ptr and buf.numel() == n
+        assert (ptr % pinned.HUGE == 0) or not huge
+        buf.fill_(3)
+        assert int(buf.sum()) == 3 * n
+
+
 def test_registered_region_unregisters_before_it_unmaps():
     """The host pool's mapping outlives every view of it, and the CUDA registration ends
     before the memory is returned (never after: another mapping could inherit it)."""
