@@ -390,9 +390,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also run torch.profiler over 4 more steps per batch (CUDA); the table "
                          "goes to results/<name>_profile_b<batch>.txt")
-    ap.add_argument("--host-pages", choices=("huge", "4k"), default="huge",
-                    help="pages of the pinned host pools: advised for transparent huge pages "
-                         "(the host store's default) or 4 KiB")
+    ap.add_argument("--host-pages", choices=("huge", "4k"), default="4k",
+                    help="pages of the pinned host pools: 4 KiB (the host store's default) or "
+                         "advised for transparent huge pages")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
     pinned.HUGE_PAGES = args.host_pages == "huge"

@@ -12,9 +12,9 @@ cause, and the pages backing the pool decide how many translations there are.
 For each kind of host memory:
 
 * ``registered_4k``: an anonymous mapping registered with ``cudaHostRegister``
-  (``pinned.host_buffer`` with ``huge_pages=False``);
+  (``pinned.host_buffer`` with ``huge_pages=False``, the host store's default);
 * ``registered_huge``: the same mapping aligned to 2 MiB and advised for
-  transparent huge pages (the host store's default);
+  transparent huge pages (``huge_pages=True``);
 * ``cuda_host_alloc``: torch's pinned allocator (``cudaHostAlloc``);
 
 a pool of ``--pool-gib`` GiB of rows is cut into ``--requests`` equal extents, as the

@@ -7,11 +7,11 @@ last tensor viewing it is gone the registration ends, then the mapping.
 With unified addressing (every 64-bit CUDA platform) registered memory is
 mapped into the device's address space, so kernels read it zero-copy.
 
-The mapping is aligned to 2 MiB and advised for transparent huge pages
-(``MADV_HUGEPAGE``; a no-op where the kernel has them off): resolver misses read
-single rows scattered over tens of GiB, and with 4 KiB pages each read may need an
-address translation of its own.  ``HUGE_PAGES`` turns the advice off (benchmarks
-compare both).
+With ``huge_pages`` the mapping is aligned to 2 MiB and advised for transparent
+huge pages (``MADV_HUGEPAGE``).  Off by default: on the H200 the kernel did back a
+32 GiB pool with huge pages, yet scattered zero-copy row reads were no faster than
+over 4 KiB pages, and up to a fifth slower for small batches
+(``benchmarks/bench_host_reads.py``, results of 2026-12-03).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 HUGE = 2 * 2**20
 MADV_HUGEPAGE = 14  # linux/mman.h
-HUGE_PAGES = True
+HUGE_PAGES = False  # the default of host_buffer(huge_pages=None)
 
 
 def available_host_bytes() -> int | None:
