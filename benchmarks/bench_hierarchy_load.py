@@ -97,13 +97,18 @@ class Phase:
     """The selections of one phase's batch, drawn before timing (generation is not the
     hierarchy's); calls cycle through ``cfg['cycle']`` drawn steps."""
 
-    def __init__(self, h, cfg, ids, miss, dev, seed, rows: int):
-        """``rows``: selections draw from the first ``rows`` rows (every session has them)."""
+    def __init__(self, h, cfg, ids, miss, dev, seed, rows: int, graph: bool = False):
+        """``rows``: selections draw from the first ``rows`` rows (every session has them).
+        ``graph``: the phase's resolve calls are captured in one CUDA graph (as vLLM
+        captures a decode step) and each step replays it; no slot may open or close
+        while the phase runs."""
         self.ids = ids
         self.calls = {}
         for key, plan in S.selection_plan(h, cfg, ids, seed).items():
             self.calls[key] = [S.selections(cfg, plan, rows, miss, seed * 100 + j, dev)
                                for j in range(cfg["cycle"])]
+        self.graph = S.capture_resolves(h, cfg, ids, {k: (None, None, None, c) for k, c in
+                                                      self.calls.items()}) if graph else None
 
 
 def sync(dev):
@@ -124,7 +129,17 @@ def decode_step(h, cfg, phase: Phase, truth, step_no: int, dev, positions) -> st
             if failed:
                 raise RuntimeError(f"append_batch to {s} failed for {failed}")
     err = None
-    for key, calls in phase.calls.items():
+    if phase.graph is not None:
+        g, inputs, outputs, stacked, slots = phase.graph
+        for s, captured in slots.items():
+            if h.source(s).state.req_slot_tensor(ids) is not captured:
+                raise RuntimeError(f"{s}: the batch's slot tensor changed since capture")
+        inputs.copy_(stacked[step_no % stacked.shape[0]])
+        g.replay()
+        for i, key in enumerate(phase.calls):
+            if positions and err is None:
+                err = S.check_locations(h, key[0], ids, inputs[i], outputs[i], truth, positions)
+    for key, calls in phase.calls.items() if phase.graph is None else ():
         sel = calls[step_no % len(calls)]
         loc, _ = h.resolve(key[0], ids, sel, validate=False)
         if positions and err is None:
@@ -180,15 +195,16 @@ def profiler(dev, on: bool):
 
 
 def run(cfg: dict, miss: float, dev, resident: float, repopulate: int,
-        profile: bool = False) -> dict:
+        profile: bool = False, graph: bool = False) -> dict:
     """The three phases; with ``profile`` the burst's admissions and the drain run under
-    torch.profiler (``profiles``: part -> profiler)."""
+    torch.profiler (``profiles``: part -> profiler); with ``graph`` each phase's resolve
+    calls replay one CUDA graph (appends and ``step()`` stay eager, as in vLLM)."""
     n, m = cfg["batch"], cfg["burst"]
     h, ids, truth, max_rows, lens = build(cfg, dev, resident, repopulate)
     rows = min(lens)
     sample = cfg["check_sessions"]
     base_pos = list(range(min(sample, n)))
-    base = Phase(h, cfg, ids[:n], miss, dev, seed=1, rows=rows)
+    base = Phase(h, cfg, ids[:n], miss, dev, seed=1, rows=rows, graph=graph)
     records, errors = [], []
     sites = {k: Counter() for k in ("base", "admission", "burst", "finish", "drain")}
     r, e = run_steps(h, cfg, base, truth, 0, cfg["steps"], dev, base_pos, "base", sites["base"])
@@ -217,7 +233,8 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int,
                                    * cfg["row_bytes"]))
     burst_coverage = coverage(h)
     all_pos = base_pos + list(range(n, n + min(sample, len(admissions))))
-    everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2, rows=rows)
+    everyone = Phase(h, cfg, ids[:n + len(admissions)], miss, dev, seed=2, rows=rows,
+                     graph=graph)
     r, e = run_steps(h, cfg, everyone, truth, no, cfg["steps"], dev, all_pos, "burst",
                      sites["burst"])
     records += r
@@ -228,7 +245,7 @@ def run(cfg: dict, miss: float, dev, resident: float, repopulate: int,
     for i in range(n, n + len(admissions)):
         _, ms, syncs = timed(dev, lambda: h.finish(ids[i]), sites["finish"])
         finishes.append(dict(session=ids[i], wall_ms=ms, host_syncs=syncs))
-    drain = Phase(h, cfg, ids[:n], miss, dev, seed=3, rows=rows)
+    drain = Phase(h, cfg, ids[:n], miss, dev, seed=3, rows=rows, graph=graph)
     with prof_drain:
         r, e = run_steps(h, cfg, drain, truth, no, cfg["drain_steps"], dev, base_pos, "drain",
                          sites["drain"], stop_at=base_coverage)
@@ -309,19 +326,26 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="run under torch.profiler and write its op tables next to the JSON "
                          "(times are then the profiler's, not for the record)")
+    ap.add_argument("--graph", action="store_true",
+                    help="each phase's resolve calls captured in one CUDA graph and replayed "
+                         "every step (as vLLM runs decode steps); appends, step() and "
+                         "admissions stay eager")
     args = ap.parse_args(argv)
-    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress)
+    cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, graph=args.graph)
     for key in ("batch", "burst", "history", "drain_steps"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if cfg["batch"] < 1 or cfg["burst"] < 1:
         ap.error(f"--batch {cfg['batch']} and --burst {cfg['burst']} must be >= 1")
     dev = C.device()
+    if args.graph and dev.type != "cuda":
+        ap.error("--graph needs a CUDA device")
     meta = C.metadata()
     print(f"# bench_hierarchy_load on {meta['device']} ({meta['date_utc']}): {cfg['batch']} "
           f"sessions + a burst of {cfg['burst']}, history {cfg['history']} rows, miss {args.miss:.0%}")
     name = args.name or ("bench_hierarchy_load_smoke" if args.smoke else "bench_hierarchy_load")
-    result = run(cfg, args.miss, dev, args.resident, args.repopulate, profile=args.profile)
+    result = run(cfg, args.miss, dev, args.resident, args.repopulate, profile=args.profile,
+                 graph=args.graph)
     if args.profile:
         with open(C.RESULTS / f"{name}_profile.txt", "w") as f:
             for part, prof in result.pop("profiles").items():

@@ -184,6 +184,28 @@ def test_admission_is_all_or_nothing_across_sources():
     check_invariants(h, truth)
 
 
+def test_one_admission_backs_up_every_victim_in_shared_copies():
+    """The victims of one admission (in every source) are backed up by one pass over the
+    copy stream per source, each victim's run landing in its own host extent."""
+    h, truth = make(15, sources=("s", "t"))  # 3 required pages per request
+    for r in ("v0", "v1", "v2"):
+        assert admit(h, truth, r, 4)  # 2 optional pages each, deferred backups
+    passes = {n: 0 for n in h.sources}
+    for name, parts in h.sources.items():
+        def counted(items, data, _name=name, _orig=parts.host.prepare_backups):
+            passes[_name] += 1
+            return _orig(items, data)
+        parts.host.prepare_backups = counted
+    assert admit(h, truth, "x", 0)  # Δ = 3 in each source: two victims each
+    reclaimed = [r for r in ("v0", "v1", "v2") if not rec(h, r).optional]
+    assert len(reclaimed) == 2 and passes == {"s": 1, "t": 1}
+    for r in reclaimed:
+        for name in h.sources:
+            verify_backed_rows(h, r, range(4), source=name)
+            assert torch.equal(h.sources[name].host.read(r, torch.arange(4)), truth[r][name])
+            verify_resolves(h, truth, r, source=name)
+
+
 def test_backup_failure_during_reclaim_fails_only_the_victim():
     """The victim whose deferred backup fails is released and reported
     (``take_failures``); the admission that needed its pages proceeds."""

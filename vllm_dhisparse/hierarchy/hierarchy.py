@@ -152,27 +152,38 @@ class KVHierarchy:
         if any(plan is None for plan in plans.values()):
             self.counters["admissions_waited"] += 1
             return False
-        for name, plan in plans.items():  # eq. 4 victims, backed up before their pages go
-            rm = self.sources[name].residency
-            for victim in plan.victims:
-                try:
-                    rm.reclaim(victim)
-                except HostBackupError as e:
-                    # The victim's deferred backup failed: it alone fails (take_failures);
-                    # releasing it frees its pages, so plan again.
-                    self._failures[victim] = str(e)
-                    self._release(victim)
-                    self.counters["preempted"] += 1
-                    return self.admit(req_id, max_rows, imported)
-            rm.counters.reclaim_events += bool(plan.victims)
+        # eq. 4 victims, backed up before their pages go: every source's backups are
+        # issued before the host waits for any of them
+        begun = []
+        try:
+            for name, plan in plans.items():
+                rm = self.sources[name].residency
+                begun.append((rm, rm.begin_reclaims(plan.victims)))
+                rm.counters.reclaim_events += bool(plan.victims)
+        except HostBackupError as e:
+            # A victim's deferred backup could not start: it alone fails (take_failures);
+            # the reclaims already issued complete, releasing it frees its pages, so plan
+            # again.
+            for rm, batch in begun:
+                rm.finish_reclaims(batch)
+            self._failures[e.req_id] = str(e)
+            self._release(e.req_id)
+            self.counters["preempted"] += 1
+            return self.admit(req_id, max_rows, imported)
+        for rm, batch in begun:
+            rm.finish_reclaims(batch)
+        writes = {name: [] for name in self.sources}  # host copies of imported rows: one wait
         try:
             for name, parts in self.sources.items():
-                parts.residency.admit(req_id, limits[name], imported.get(name))
+                parts.residency.admit(req_id, limits[name], imported.get(name), writes[name])
         except Exception:  # all-or-nothing: undo the sources already admitted
-            for parts in self.sources.values():
+            for name, parts in self.sources.items():
+                parts.residency.complete_host_writes(writes[name])  # before extents go back
                 if req_id in parts.residency.requests:
                     parts.residency.release(req_id)
             raise
+        for name, parts in self.sources.items():
+            parts.residency.complete_host_writes(writes[name])
         self.requests[req_id] = limits
         self._last_active[req_id] = self.step_index
         self.counters["admissions"] += 1

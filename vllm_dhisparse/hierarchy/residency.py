@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .device_pool import DevicePagePool
-from .host_store import HostStore
+from .host_store import HostBackupError, HostStore
 from .reclaim_policies import ReclaimCandidate, get_reclaim_policy, select_victims
 from .source_state import SourceState
 from .tail import TailWriter
@@ -84,6 +84,13 @@ class ResidencyCounters:
     pages_repopulated: int = 0  # published after their copy completed
     host_pages_written: int = 0
     host_backups_deferred: int = 0  # imported pages kept on device without a host copy
+
+
+@dataclass
+class ReclaimBatch:
+    """Reclaims whose backups are in flight (``begin_reclaims`` -> ``finish_reclaims``)."""
+    requests: list[RequestPages]
+    backups: list  # [PendingBackup], one per run of consecutive pages, in issue order
 
 
 @dataclass
@@ -166,36 +173,73 @@ class ResidencyManager:
 
     def reclaim(self, req_id: str) -> int:
         """Returns all optional and pending pages of ``req_id`` to the pool (backup first)."""
-        rec = self.request(req_id)
-        # 1. two-phase backup of device-only rows; an exception leaves every page in place
-        unbacked = self._unbacked(rec)
-        issued = []
+        return self.finish_reclaims(self.begin_reclaims([req_id]))
+
+    def begin_reclaims(self, req_ids: list[str]) -> ReclaimBatch:
+        """Issues the host backups of the device-only rows of ``req_ids`` (the eq. 4
+        victims of one admission): one gather and one pass over the copy stream per
+        ``run_pages`` pages of all of them, one event each.  Every request's host
+        destinations are taken first, so a request whose backup cannot start raises
+        ``HostBackupError`` (its ``req_id`` set) before anything is issued.  Nothing
+        is freed or unpublished until ``finish_reclaims``."""
+        ps = self.page_size
+        recs = [self.request(r) for r in req_ids]
+        runs = []  # (request, consecutive history pages): one host destination each
+        for rec in recs:
+            unbacked = self._unbacked(rec)
+            if not unbacked:
+                continue
+            try:
+                self.host.backup_slices(rec.req_id, [p * ps for p in unbacked], ps)
+            except HostBackupError as e:
+                e.req_id = e.req_id or rec.req_id
+                raise
+            runs += [(rec, run) for run in _runs(unbacked, self.run_pages)]
+        backups, chunk, size = [], [], 0
         try:
-            for run in _runs(unbacked, self.run_pages):
-                src = self.pool.page_planes([rec.optional[p] for p in run])
-                issued.append(self.host.prepare_backup(req_id, run[0] * self.page_size, src))
-                if len(issued) > 1:  # two runs in flight at most: bounds the gathered rows
-                    self.host.complete_backup(issued[-2])
-        except BaseException:  # the caller may free the extent: no copy may still write it
-            for pending in issued:
+            for i, (rec, run) in enumerate(runs):  # chunks of whole runs, <= run_pages pages
+                chunk.append((rec, run))
+                size += len(run)
+                if i + 1 < len(runs) and size + len(runs[i + 1][1]) <= self.run_pages:
+                    continue
+                src = self.pool.page_planes([r.optional[p] for r, run_ in chunk for p in run_])
+                backups += self.host.prepare_backups(
+                    [(r.req_id, run_[0] * ps, self.host.slice(r.req_id, run_[0] * ps,
+                                                              len(run_) * ps))
+                     for r, run_ in chunk], src)
+                chunk, size = [], 0
+        except BaseException:  # the caller may free the extents: no copy may still write them
+            for pending in backups:
                 pending.transfer.wait()
             raise
-        if issued:  # the runs before it were completed as the next one was issued
-            self.host.complete_backup(issued[-1])
-        self.counters.host_pages_written += len(unbacked)
-        self._settled.discard(req_id)  # its dropped pages are eligible again
-        self._eligible_left.pop(req_id, None)
-        # 2. only now unpublish: later lookups go to hot cache / host, which has the rows
-        self.source.unpublish_pages(self.source.req_slot(req_id), list(rec.optional))
-        self._wait_populations(rec)  # pending pages are host-backed already; just drop them
-        pages = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
-        rec.optional.clear()
-        rec.pending.clear()
-        self._populating.pop(req_id, None)
-        self.pool.free(pages)
-        self.counters.requests_reclaimed += 1
-        self.counters.pages_reclaimed += len(pages)
-        return len(pages)
+        return ReclaimBatch(recs, backups)
+
+    def finish_reclaims(self, batch: ReclaimBatch) -> int:
+        """Completes ``begin_reclaims``: waits for its backups (the copy stream runs them in
+        issue order), then unpublishes the requests' optional pages in one write --
+        later lookups go to hot cache / host, which has the rows -- and frees them with
+        their pending pages.  Returns the pages freed."""
+        for pending in batch.backups:
+            self.host.complete_backup(pending)
+            self.counters.host_pages_written += pending.count // self.page_size
+        slots, pages, freed = [], [], []
+        for rec in batch.requests:
+            self._settled.discard(rec.req_id)  # its dropped pages are eligible again
+            self._eligible_left.pop(rec.req_id, None)
+            slots += [self.source.req_slot(rec.req_id)] * len(rec.optional)
+            pages += list(rec.optional)
+        self.source.unpublish_pages(slots, pages)
+        for rec in batch.requests:
+            self._wait_populations(rec)  # pending pages are host-backed already; just drop them
+            got = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]
+            rec.optional.clear()
+            rec.pending.clear()
+            self._populating.pop(rec.req_id, None)
+            self.pool.free(got)
+            self.counters.requests_reclaimed += 1
+            self.counters.pages_reclaimed += len(got)
+            freed += got
+        return len(freed)
 
     def _complete_pages(self, rec: RequestPages) -> np.ndarray:
         """Which complete imported pages have a host copy.  # [eligible_pages] bool
@@ -211,10 +255,14 @@ class ResidencyManager:
         pages = np.array(sorted(rec.optional), dtype=np.int64)
         return pages[~self._complete_pages(rec)[pages]].tolist()
 
-    def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None) -> RequestPages:
+    def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None,
+              host_writes: list | None = None) -> RequestPages:
         """Reserves required pages, opens the request slot and places imported history.
 
         Call after ``plan_admission`` returned a plan and its victims were reclaimed.
+        With ``host_writes`` the host copies of imported rows are only issued, appended
+        there, and the caller completes them (``complete_host_writes``) before the
+        request is used or released: many sources' copies then share one wait.
         """
         pages = self.pool.allocate(self.required_per_request)
         assert pages is not None and self.pool.num_free >= self.reserve, \
@@ -232,10 +280,11 @@ class ResidencyManager:
         self.requests[req_id] = rec
         self.tail.open(rec)
         if n:
-            self._place_imported(rec, imported)
+            self._place_imported(rec, imported, host_writes)
         return rec
 
-    def _place_imported(self, rec: RequestPages, imported: torch.Tensor) -> None:
+    def _place_imported(self, rec: RequestPages, imported: torch.Tensor,
+                        host_writes: list | None) -> None:
         """Resident-first admission (paper 3.1)."""
         ps, full = self.page_size, rec.eligible_pages
         keep = 0
@@ -253,21 +302,28 @@ class ResidencyManager:
             rec.optional.update(zip(kept, dev_pages))
             self.source.publish_pages([self.source.req_slot(rec.req_id)] * keep, kept,
                                       [self.pool.first_row(d) for d in dev_pages])
+        writes = [] if host_writes is None else host_writes
         if self.eager_backup:
-            self._write_host(rec, imported, first_kept * ps, full * ps)
+            self._write_host(rec, imported, first_kept * ps, full * ps, writes)
         else:  # deferred: done only if this request is reclaimed
             self.counters.host_backups_deferred += keep
-        self._write_host(rec, imported, 0, first_kept * ps)  # pages that did not fit
+        self._write_host(rec, imported, 0, first_kept * ps, writes)  # pages that did not fit
+        if host_writes is None:
+            self.complete_host_writes(writes)
         self.source.set_seq_len(rec.req_id, full * ps)
         if imported.shape[0] > full * ps:  # the partial boundary page goes to the tail
             self.tail.append(rec, imported[full * ps:])
 
-    def _write_host(self, rec: RequestPages, data: torch.Tensor, start: int, end: int) -> None:
-        if end <= start:
-            return
-        pending = self.host.prepare_backup(rec.req_id, start, data[start:end])
-        self.host.complete_backup(pending)
-        self.counters.host_pages_written += (end - start) // self.page_size
+    def _write_host(self, rec: RequestPages, data: torch.Tensor, start: int, end: int,
+                    writes: list) -> None:
+        if end > start:
+            writes.append(self.host.prepare_backup(rec.req_id, start, data[start:end]))
+
+    def complete_host_writes(self, writes: list) -> None:
+        """Waits for issued host copies of imported rows; their rows count as backed."""
+        for pending in writes:
+            self.host.complete_backup(pending)
+            self.counters.host_pages_written += pending.count // self.page_size
 
     # -- repopulation -----------------------------------------------------------------
     def _eligible(self, rec: RequestPages) -> list[int]:
