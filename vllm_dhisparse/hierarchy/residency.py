@@ -184,29 +184,25 @@ class ResidencyManager:
         is freed or unpublished until ``finish_reclaims``."""
         ps = self.page_size
         recs = [self.request(r) for r in req_ids]
-        runs = []  # (request, consecutive history pages): one host destination each
+        runs = []  # (request, consecutive history pages, host destination)
         for rec in recs:
-            unbacked = self._unbacked(rec)
-            if not unbacked:
-                continue
             try:
-                self.host.backup_slices(rec.req_id, [p * ps for p in unbacked], ps)
+                runs += [(rec, run, dst) for run in _runs(self._unbacked(rec), self.run_pages)
+                         for dst in self.host.backup_slices(rec.req_id, [run[0] * ps],
+                                                            len(run) * ps)]
             except HostBackupError as e:
                 e.req_id = e.req_id or rec.req_id
                 raise
-            runs += [(rec, run) for run in _runs(unbacked, self.run_pages)]
         backups, chunk, size = [], [], 0
         try:
-            for i, (rec, run) in enumerate(runs):  # chunks of whole runs, <= run_pages pages
-                chunk.append((rec, run))
+            for i, (rec, run, dst) in enumerate(runs):  # chunks of whole runs, <= run_pages
+                chunk.append((rec, run, dst))
                 size += len(run)
                 if i + 1 < len(runs) and size + len(runs[i + 1][1]) <= self.run_pages:
                     continue
-                src = self.pool.page_planes([r.optional[p] for r, run_ in chunk for p in run_])
+                src = self.pool.page_planes([r.optional[p] for r, run_, _ in chunk for p in run_])
                 backups += self.host.prepare_backups(
-                    [(r.req_id, run_[0] * ps, self.host.slice(r.req_id, run_[0] * ps,
-                                                              len(run_) * ps))
-                     for r, run_ in chunk], src)
+                    [(r.req_id, run_[0] * ps, d) for r, run_, d in chunk], src)
                 chunk, size = [], 0
         except BaseException:  # the caller may free the extents: no copy may still write them
             for pending in backups:
