@@ -17,11 +17,11 @@ same requests.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class ReclaimCandidate:
+class ReclaimCandidate(NamedTuple):
+    """Immutable; a tuple, as an admission lists every admitted request of a source."""
     req_id: str
     admitted: int  # admission order, smaller = admitted earlier
     last_active: int  # last step the request produced rows
@@ -94,10 +94,11 @@ def select_victims(policy: ReclaimPolicy, candidates: list[ReclaimCandidate],
     """
     if deficit <= 0:
         return []
-    if sum(_pages(c) for c in candidates) < deficit:
+    holders = [c for c in candidates if c.pages]
+    if sum(c.pages for c in holders) < deficit:
         return None
     victims, covered = [], 0
-    for c in policy.order([c for c in candidates if _pages(c) > 0]):
+    for c in policy.order(holders):
         victims.append(c.req_id)
         covered += _pages(c)
         if covered >= deficit:

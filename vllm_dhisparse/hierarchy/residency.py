@@ -165,9 +165,13 @@ class ResidencyManager:
         if not self.host.can_allocate(max_rows):
             return None
         deficit = self.required_per_request + self.reserve - self.pool.num_free  # Δ
-        candidates = [ReclaimCandidate(r.req_id, r.admitted, self.last_active.get(r.req_id, 0),
-                                       r.held_optional)
-                      for r in self.requests.values()]
+        if deficit <= 0:
+            return AdmissionPlan(deficit, [])
+        last = self.last_active
+        # only holders of optional pages can cover Δ; an admission lists them every time
+        candidates = [ReclaimCandidate(r.req_id, r.admitted, last.get(r.req_id, 0), a)
+                      for r in self.requests.values()
+                      if (a := len(r.optional) + len(r.pending))]
         victims = select_victims(self.policy, candidates, deficit)
         return None if victims is None else AdmissionPlan(deficit, victims)
 
