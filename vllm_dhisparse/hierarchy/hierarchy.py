@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from .device_pool import DevicePagePool
@@ -208,22 +209,27 @@ class KVHierarchy:
         synchronous path of a full tail, ``append``'s errors): those requests were not
         appended, every other one was."""
         parts = self.source(source)
-        for r in req_ids:
-            self._require(r)
-        if len(set(req_ids)) != len(req_ids):
+        # set operations, not a loop: a decode step appends for every running request
+        ids = set(req_ids)
+        if not ids <= self.requests.keys():
+            self._require(next(r for r in req_ids if r not in self.requests))
+        if len(ids) != len(req_ids):
             raise ValueError(f"append_batch: request ids must be distinct, got {req_ids}")
         self._check_rows(parts, rows, f"appended rows of {len(req_ids)} requests")
         if counts is None:
             if req_ids and rows.shape[0] % len(req_ids):
                 raise ValueError(f"append_batch: {rows.shape[0]} rows do not split evenly over "
                                  f"{len(req_ids)} requests; pass counts")
-            counts = [rows.shape[0] // len(req_ids)] * len(req_ids) if req_ids else []
-        if len(counts) != len(req_ids) or any(not isinstance(c, int) or c < 0 for c in counts) \
-                or sum(counts) != rows.shape[0]:
-            raise ValueError(f"append_batch: counts {counts} must be one int >= 0 per request "
-                             f"summing to the {rows.shape[0]} rows")
+            cnt = np.full(len(req_ids), rows.shape[0] // max(1, len(req_ids)), dtype=np.int64)
+        else:
+            cnt = np.asarray(counts)
+            if cnt.ndim != 1 or len(cnt) != len(req_ids) or (cnt.size and (
+                    cnt.dtype.kind not in "iu" or cnt.min() < 0)) \
+                    or int(cnt.sum()) != rows.shape[0]:
+                raise ValueError(f"append_batch: counts {counts} must be one int >= 0 per "
+                                 f"request summing to the {rows.shape[0]} rows")
         rm = parts.residency
-        failed = rm.tail.append_batch(req_ids, rows, counts)
+        failed = rm.tail.append_batch(req_ids, rows, cnt)
         self._touch(req_ids)
         return failed
 
