@@ -44,14 +44,7 @@ KINDS = ("registered_4k", "registered_huge", "cuda_host_alloc")
 
 
 def anon_huge_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return pinned.meminfo_bytes("AnonHugePages")
 
 
 def allocate(kind: str, nbytes: int, pin: bool) -> torch.Tensor:

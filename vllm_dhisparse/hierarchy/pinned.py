@@ -28,17 +28,21 @@ MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGES = False  # the default of host_buffer(huge_pages=None)
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (what can be allocated without swapping), or
-    None where the kernel does not report it."""
+def meminfo_bytes(field: str) -> int | None:
+    """``field`` of /proc/meminfo in bytes, or None where the kernel does not report it."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` (what can be allocated without swapping), or None."""
+    return meminfo_bytes("MemAvailable")
 
 
 def check_host_memory(need_bytes: int, what: str, available: int | None = None) -> None:
