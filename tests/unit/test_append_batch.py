@@ -100,6 +100,12 @@ def test_bad_input_changes_nothing():
         h.append_batch("a", ["r0", "r1"], rows(3, 3, 0), [1, 1])
     with pytest.raises(ValueError, match="do not split evenly"):
         h.append_batch("a", ["r0", "r1"], rows(3, 3, 0))
+    with pytest.raises(ValueError, match="do not split evenly over 0 requests"):
+        h.append_batch("a", [], rows(2, 3, 0))  # rows for nobody would be dropped
+    with pytest.raises(ValueError, match="counts"):  # their int64 sum wraps to 2
+        h.append_batch("a", ["r0", "r1", "r2"], rows(2, 3, 0), [2**63 - 1, 2**63 - 1, 4])
+    with pytest.raises(ValueError, match="counts"):
+        h.append_batch("a", ["r0", "r1"], rows(2, 3, 0), [1.0, 1.0])
     with pytest.raises(ValueError, match="distinct"):
         h.append_batch("a", ["r0", "r0"], rows(2, 3, 0))
     with pytest.raises(KeyError, match="unknown request id 'zz'"):

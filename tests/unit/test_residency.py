@@ -184,25 +184,47 @@ def test_admission_is_all_or_nothing_across_sources():
     check_invariants(h, truth)
 
 
-def test_one_admission_backs_up_every_victim_in_shared_copies():
-    """The victims of one admission (in every source) are backed up by one pass over the
-    copy stream per source, each victim's run landing in its own host extent."""
-    h, truth = make(15, sources=("s", "t"))  # 3 required pages per request
+@pytest.mark.parametrize("run_pages, passes", [(4, 1), (1, 4)])
+def test_one_admission_backs_up_every_victim_in_shared_copies(run_pages, passes):
+    """The victims of one admission are backed up by one pass over the copy stream per
+    ``run_pages`` pages in each source (two victims' runs share a pass, or each page has
+    its own), each victim's run landing in its own host extent."""
+    h, truth = make(15, sources=("s", "t"), run_pages=run_pages)  # 3 required pages each
     for r in ("v0", "v1", "v2"):
         assert admit(h, truth, r, 4)  # 2 optional pages each, deferred backups
-    passes = {n: 0 for n in h.sources}
+    seen = {n: 0 for n in h.sources}
     for name, parts in h.sources.items():
         def counted(items, data, _name=name, _orig=parts.host.prepare_backups):
-            passes[_name] += 1
+            seen[_name] += 1
             return _orig(items, data)
         parts.host.prepare_backups = counted
+    before = {n: dict(h.stats()["sources"][n]) for n in h.sources}
     assert admit(h, truth, "x", 0)  # Δ = 3 in each source: two victims each
     reclaimed = [r for r in ("v0", "v1", "v2") if not rec(h, r).optional]
-    assert len(reclaimed) == 2 and passes == {"s": 1, "t": 1}
+    assert len(reclaimed) == 2 and seen == {"s": passes, "t": passes}
+    for name in h.sources:
+        after = h.stats()["sources"][name]
+        assert after["host_pages_written"] - before[name]["host_pages_written"] == 4
+        assert after["pages_reclaimed"] - before[name]["pages_reclaimed"] == 4
+        assert after["requests_reclaimed"] - before[name]["requests_reclaimed"] == 2
     for r in reclaimed:
         for name in h.sources:
             verify_backed_rows(h, r, range(4), source=name)
             assert torch.equal(h.sources[name].host.read(r, torch.arange(4)), truth[r][name])
+            verify_resolves(h, truth, r, source=name)
+
+
+def test_a_victim_whose_backup_fails_in_a_later_source_fails_alone():
+    """Source s has issued its victims' backups when source t cannot back up one of the
+    same victims: s's reclaims complete, that victim alone fails, the admission goes on."""
+    h, truth = make(15, sources=("s", "t"))
+    for r in ("v0", "v1", "v2"):
+        assert admit(h, truth, r, 4)
+    fail_next_backup(h.sources["t"].host, "v0")
+    assert admit_failing_victim(h, truth, "x")
+    assert list(h.take_failures()) == ["v0"] and "v0" not in h.requests
+    for r in ("v1", "v2"):
+        for name in h.sources:
             verify_resolves(h, truth, r, source=name)
 
 

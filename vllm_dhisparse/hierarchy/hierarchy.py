@@ -162,6 +162,9 @@ class KVHierarchy:
                 begun.append((rm, rm.begin_reclaims(plan.victims)))
                 rm.counters.reclaim_events += bool(plan.victims)
         except HostBackupError as e:
+            if e.req_id not in self.requests:  # not a victim's: nobody to fail alone
+                _wait_reclaims(begun)
+                raise
             # A victim's deferred backup could not start: it alone fails (take_failures);
             # the reclaims already issued complete, releasing it frees its pages, so plan
             # again.
@@ -171,20 +174,24 @@ class KVHierarchy:
             self._release(e.req_id)
             self.counters["preempted"] += 1
             return self.admit(req_id, max_rows, imported)
+        except BaseException:  # nothing freed: the copies issued finish before the caller goes on
+            _wait_reclaims(begun)
+            raise
         for rm, batch in begun:
             rm.finish_reclaims(batch)
         writes = {name: [] for name in self.sources}  # host copies of imported rows: one wait
         try:
             for name, parts in self.sources.items():
                 parts.residency.admit(req_id, limits[name], imported.get(name), writes[name])
-        except Exception:  # all-or-nothing: undo the sources already admitted
             for name, parts in self.sources.items():
-                parts.residency.complete_host_writes(writes[name])  # before extents go back
+                parts.residency.complete_host_writes(writes[name])
+        except BaseException:  # all-or-nothing: undo the sources already admitted
+            for pending in (p for w in writes.values() for p in w):  # before extents go back
+                pending.transfer.wait()
+            for parts in self.sources.values():
                 if req_id in parts.residency.requests:
                     parts.residency.release(req_id)
             raise
-        for name, parts in self.sources.items():
-            parts.residency.complete_host_writes(writes[name])
         self.requests[req_id] = limits
         self._last_active[req_id] = self.step_index
         self.counters["admissions"] += 1
@@ -217,15 +224,16 @@ class KVHierarchy:
             raise ValueError(f"append_batch: request ids must be distinct, got {req_ids}")
         self._check_rows(parts, rows, f"appended rows of {len(req_ids)} requests")
         if counts is None:
-            if req_ids and rows.shape[0] % len(req_ids):
+            if (rows.shape[0] % len(req_ids)) if req_ids else rows.shape[0]:
                 raise ValueError(f"append_batch: {rows.shape[0]} rows do not split evenly over "
                                  f"{len(req_ids)} requests; pass counts")
             cnt = np.full(len(req_ids), rows.shape[0] // max(1, len(req_ids)), dtype=np.int64)
         else:
             cnt = np.asarray(counts)
+            # each count bounded before the sum: an int64 sum of huge counts could wrap
             if cnt.ndim != 1 or len(cnt) != len(req_ids) or (cnt.size and (
-                    cnt.dtype.kind not in "iu" or cnt.min() < 0)) \
-                    or int(cnt.sum()) != rows.shape[0]:
+                    cnt.dtype.kind not in "iu" or cnt.min() < 0
+                    or cnt.max() > rows.shape[0])) or int(cnt.sum()) != rows.shape[0]:
                 raise ValueError(f"append_batch: counts {counts} must be one int >= 0 per "
                                  f"request summing to the {rows.shape[0]} rows")
         rm = parts.residency
@@ -373,3 +381,9 @@ class KVHierarchy:
         out["device_bytes"] = self.device_bytes
         return out
 
+
+def _wait_reclaims(begun: list) -> None:
+    """Waits for the copies of reclaims begun and not finished (their pages stay in place)."""
+    for _, batch in begun:
+        for pending in batch.backups:
+            pending.transfer.wait()

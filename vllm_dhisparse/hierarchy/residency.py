@@ -256,13 +256,13 @@ class ResidencyManager:
         return pages[~self._complete_pages(rec)[pages]].tolist()
 
     def admit(self, req_id: str, max_rows: int, imported: torch.Tensor | None,
-              host_writes: list | None = None) -> RequestPages:
+              host_writes: list) -> RequestPages:
         """Reserves required pages, opens the request slot and places imported history.
 
         Call after ``plan_admission`` returned a plan and its victims were reclaimed.
-        With ``host_writes`` the host copies of imported rows are only issued, appended
-        there, and the caller completes them (``complete_host_writes``) before the
-        request is used or released: many sources' copies then share one wait.
+        The host copies of imported rows are only issued, appended to ``host_writes``;
+        the caller completes them (``complete_host_writes``) before the request is used,
+        or waits for them before it is released: many sources' copies share one wait.
         """
         pages = self.pool.allocate(self.required_per_request)
         assert pages is not None and self.pool.num_free >= self.reserve, \
@@ -284,7 +284,7 @@ class ResidencyManager:
         return rec
 
     def _place_imported(self, rec: RequestPages, imported: torch.Tensor,
-                        host_writes: list | None) -> None:
+                        host_writes: list) -> None:
         """Resident-first admission (paper 3.1)."""
         ps, full = self.page_size, rec.eligible_pages
         keep = 0
@@ -302,14 +302,11 @@ class ResidencyManager:
             rec.optional.update(zip(kept, dev_pages))
             self.source.publish_pages([self.source.req_slot(rec.req_id)] * keep, kept,
                                       [self.pool.first_row(d) for d in dev_pages])
-        writes = [] if host_writes is None else host_writes
         if self.eager_backup:
-            self._write_host(rec, imported, first_kept * ps, full * ps, writes)
+            self._write_host(rec, imported, first_kept * ps, full * ps, host_writes)
         else:  # deferred: done only if this request is reclaimed
             self.counters.host_backups_deferred += keep
-        self._write_host(rec, imported, 0, first_kept * ps, writes)  # pages that did not fit
-        if host_writes is None:
-            self.complete_host_writes(writes)
+        self._write_host(rec, imported, 0, first_kept * ps, host_writes)  # did not fit
         self.source.set_seq_len(rec.req_id, full * ps)
         if imported.shape[0] > full * ps:  # the partial boundary page goes to the tail
             self.tail.append(rec, imported[full * ps:])
