@@ -214,6 +214,50 @@ def test_one_admission_backs_up_every_victim_in_shared_copies(run_pages, passes)
             verify_resolves(h, truth, r, source=name)
 
 
+def test_victim_pages_go_only_after_every_backup_of_the_admission_completed():
+    """Copies are asynchronous on CUDA: a victim's pages may be unpublished and freed only
+    once the backups issued for them have completed (here: events that complete only when
+    waited for, checked at every unpublish and free)."""
+    from vllm_dhisparse.hierarchy.transfers import Transfer
+
+    class Event:  # completes only when synchronised
+        def __init__(self):
+            self.waited = False
+
+        def query(self):
+            return self.waited
+
+        def synchronize(self):
+            self.waited = True
+
+    h, truth = make(15, sources=("s", "t"), run_pages=1)
+    for r in ("v0", "v1", "v2"):
+        assert admit(h, truth, r, 4)
+    events, order = {n: [] for n in h.sources}, []
+    for name, parts in h.sources.items():
+        def issue(items, data, _orig=parts.host.prepare_backups, _events=events[name]):
+            out = _orig(items, data)
+            event = Event()
+            _events.append(event)
+            for pending in out:
+                pending.transfer = Transfer(event)
+            return out
+
+        def check(what, fn, _events=events[name]):  # the source's own copies
+            def wrapped(*a, **k):
+                order.append((what, all(e.waited for e in _events)))
+                return fn(*a, **k)
+            return wrapped
+        parts.host.prepare_backups = issue
+        parts.state.unpublish_pages = check("unpublish", parts.state.unpublish_pages)
+        parts.pool.free = check("free", parts.pool.free)
+    assert admit(h, truth, "x", 0)
+    assert [len(e) for e in events.values()] == [4, 4]
+    assert all(e.waited for es in events.values() for e in es)
+    assert {w for w, _ in order} == {"unpublish", "free"}
+    assert all(done for _, done in order), order
+
+
 def test_a_victim_whose_backup_fails_in_a_later_source_fails_alone():
     """Source s has issued its victims' backups when source t cannot back up one of the
     same victims: s's reclaims complete, that victim alone fails, the admission goes on."""
