@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     out.write(f"# {C.metadata().get('device')}, graph={args.graph}: {n_adm} admissions, "
               f"{len(steps)} drain step() calls\n")
     for part, p in prof.items():
-        out.write(f"\n## {part}, cumulative (divide by {n_adm if part == 'admission' else len(steps)})\n")
+        per = n_adm if part == "admission" else len(steps)
+        out.write(f"\n## {part}, cumulative (divide by {per})\n")
         pstats.Stats(p, stream=out).sort_stats("cumulative").print_stats(40)
         out.write(f"\n## {part}, own time\n")
         pstats.Stats(p, stream=out).sort_stats("tottime").print_stats(25)

@@ -163,7 +163,8 @@ class KVHierarchy:
                 rm.counters.reclaim_events += bool(plan.victims)
         except HostBackupError as e:
             if e.req_id not in self.requests:  # not a victim's: nobody to fail alone
-                _wait_reclaims(begun)
+                for _, batch in begun:
+                    batch.wait()
                 raise
             # A victim's deferred backup could not start: it alone fails (take_failures);
             # the reclaims already issued complete, releasing it frees its pages, so plan
@@ -175,7 +176,8 @@ class KVHierarchy:
             self.counters["preempted"] += 1
             return self.admit(req_id, max_rows, imported)
         except BaseException:  # nothing freed: the copies issued finish before the caller goes on
-            _wait_reclaims(begun)
+            for _, batch in begun:
+                batch.wait()
             raise
         for rm, batch in begun:
             rm.finish_reclaims(batch)
@@ -380,10 +382,3 @@ class KVHierarchy:
         out["staging"] = sum_stats([a.stats() for a in self.staging])
         out["device_bytes"] = self.device_bytes
         return out
-
-
-def _wait_reclaims(begun: list) -> None:
-    """Waits for the copies of reclaims begun and not finished (their pages stay in place)."""
-    for _, batch in begun:
-        for pending in batch.backups:
-            pending.transfer.wait()

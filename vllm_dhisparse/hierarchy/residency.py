@@ -92,6 +92,11 @@ class ReclaimBatch:
     requests: list[RequestPages]
     backups: list  # [PendingBackup], one per run of consecutive pages, in issue order
 
+    def wait(self) -> None:
+        """Until every copy has finished (the pages stay in place)."""
+        for pending in self.backups:
+            pending.transfer.wait()
+
 
 @dataclass
 class AdmissionPlan:
@@ -170,8 +175,7 @@ class ResidencyManager:
         last = self.last_active
         # only holders of optional pages can cover Δ; an admission lists them every time
         candidates = [ReclaimCandidate(r.req_id, r.admitted, last.get(r.req_id, 0), a)
-                      for r in self.requests.values()
-                      if (a := len(r.optional) + len(r.pending))]
+                      for r in self.requests.values() if (a := r.held_optional)]
         victims = select_victims(self.policy, candidates, deficit)
         return None if victims is None else AdmissionPlan(deficit, victims)
 

@@ -120,9 +120,9 @@ class TailWriter:
     def append_batch(self, req_ids: list[str], rows: torch.Tensor,
                      counts) -> dict[str, Exception]:
         """``append`` for many requests at once: ``counts[i]`` rows of ``rows`` ([T,
-        row_bytes] uint8, requests in order) go to ``req_ids[i]`` (counts: [N] ints).  The device sees one
-        write of every row, one publish of the new tail pages and one write of the
-        lengths, in that order (bytes before they are published, lengths last, as
+        row_bytes] uint8, requests in order) go to ``req_ids[i]`` (counts: [N] ints).  The
+        device sees one write of every row, one publish of the new tail pages and one write
+        of the lengths, in that order (bytes before they are published, lengths last, as
         ``append``).  Requests whose rows stay inside their current tail page (the
         decode case, a page boundary every ``page_size`` rows) are planned on arrays;
         the others page by page.  A request that needs a tail page while all of its
