@@ -393,13 +393,17 @@ def main(argv=None) -> int:
     ap.add_argument("--host-pages", choices=("huge", "4k"), default="4k",
                     help="pages of the pinned host pools: 4 KiB (the host store's default) or "
                          "advised for transparent huge pages")
+    ap.add_argument("--set", action="append", default=[], metavar="_NAME=INT",
+                    help="override a launcher constant of the resolve module for this run "
+                         "(recorded in the results file), e.g. --set _EARLY_ELEMS_CHUNKED=0")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
+    overrides = C.apply_overrides(args.set)
     pinned.HUGE_PAGES = args.host_pages == "huge"
     cfg = dict(SMOKE if args.smoke else FULL, compress=args.compress, append=args.append,
                stagger=args.stagger,
                validate="step" if args.graph else args.validate, profile=args.profile,
-               graph=args.graph, host_pages=args.host_pages)
+               graph=args.graph, host_pages=args.host_pages, kernel_overrides=overrides)
     if args.batches:
         cfg["batches"] = tuple(args.batches)
     if args.history:

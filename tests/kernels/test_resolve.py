@@ -209,15 +209,31 @@ def test_resolve_copies_its_misses(copy):
         w.call(w.selections([2, 0], 3, 4, dup=0.3), [2, 0], context=f"step {step}", copy=copy)
 
 
+def _layout(resolve_module, layout, monkeypatch):
+    """Forces the kernel's path on small shapes: one block, B walked in chunks by a
+    one-wave launch, or more programs than SMs."""
+    if layout == "chunked_b":
+        monkeypatch.setattr(resolve_module, "_ONE_BLOCK_B", 2)
+        monkeypatch.setattr(resolve_module, "_BLOCK_B", 4)
+    elif layout == "many_programs":
+        monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
+        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
+        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+
+
+@pytest.mark.parametrize("layout", ["one_block", "chunked_b", "many_programs"])
 @pytest.mark.parametrize("early, step", [(0, 8), (4, 8), (16, 4), (2048, 4096)])
-def test_fused_copy_reads_early_words(early, step, monkeypatch):
-    """The one-block path reads the first ``early`` words of its misses from host before
-    the victim select and stores them after it, the rest in steps: the same bytes as
+def test_fused_copy_reads_early_words(layout, early, step, monkeypatch):
+    """Every path reads the first ``early`` words of its misses from host before the
+    victim select and stores them after it, the rest in steps: the same bytes as
     gather_rows whether the early words cover none, part or all of the misses, with
     misses that fill hot slots and misses that overflow to staging rows."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_EARLY_ELEMS", early)
+    monkeypatch.setattr(resolve_module, "_EARLY_ELEMS_CHUNKED", early)
     monkeypatch.setattr(resolve_module, "_COPY_ELEMS", step)
+    monkeypatch.setattr(resolve_module, "_COPY_ELEMS_CHUNKED", step)
+    _layout(resolve_module, layout, monkeypatch)
     w = World(hot_cache_rows=6, width=16, positions=64, req_slots=3, batch=2, row_bytes=24, staging_extra=2)
     w.warm(0, [1, 2, 3])
     for i in range(3):
@@ -226,6 +242,7 @@ def test_fused_copy_reads_early_words(early, step, monkeypatch):
 
 @pytest.mark.parametrize("layout, early, fused", [("one_block", 4, True), ("one_block", 2048, True),
                                                   ("many_programs", 0, True),
+                                                  ("many_programs", 4, True),
                                                   ("one_block", 0, False)])
 def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
     """Rows stored as two byte planes (as DeepSeek-V4's 576 + 8): the resolve launch
@@ -233,11 +250,10 @@ def test_rows_in_two_byte_planes(layout, early, fused, monkeypatch):
     read together equal the host rows."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
     monkeypatch.setattr(resolve_module, "_EARLY_ELEMS", early)
+    monkeypatch.setattr(resolve_module, "_EARLY_ELEMS_CHUNKED", early)
     monkeypatch.setattr(resolve_module, "_COPY_ELEMS", 8)
-    if layout == "many_programs":
-        monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
-        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
-        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    monkeypatch.setattr(resolve_module, "_COPY_ELEMS_CHUNKED", 8)
+    _layout(resolve_module, layout, monkeypatch)
     w = World(hot_cache_rows=6, width=12, positions=40, req_slots=3, batch=2, row_bytes=24, staging_extra=2)
     storage = torch.zeros(w.n_dev_rows * 24, dtype=torch.uint8, device=DEVICE)
     # 12 + 12 bytes: 4-byte words, three in each plane

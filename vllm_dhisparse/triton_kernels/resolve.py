@@ -37,9 +37,9 @@ passes after phase 1 run only when their counts are non-zero:
      distinct misses): every host selection reads hot_slot_of[pos]: >= 0 is
      the filled hot slot, else the rank code of a staged row;
   5. staged rows leave hot_slot_of;  6. (fused copy) the program copies its own
-     misses from pinned host memory, the words of consecutive rows side by side; in
-     the one-block path the first EARLY_ELEMS words are read from host right after
-     phase 2 and stored after phase 3, so one PCIe round trip runs under the select.
+     misses from pinned host memory, the words of consecutive rows side by side; the
+     first EARLY_ELEMS words are read from host right after phase 2 and stored after
+     phase 3, so one PCIe round trip runs under the select.
 
 Requests in a batch must have distinct request slots (the programs update a request
 slot's state without synchronisation); request slot -1 is a padding row.  Bounds:
@@ -78,9 +78,13 @@ _MANY_BLOCK_W = 1024
 _MANY_BLOCK_B = 512
 _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused_copy=None;
 # measured up to 2048, single-query k=2048; wider miss lists keep the gather's grid)
-_COPY_ELEMS = 4096  # words in flight per step of the fused copy
+_COPY_ELEMS = 4096  # words in flight per step of the fused copy (one-block path)
+_COPY_ELEMS_CHUNKED = 4096  # the same where phase 3 walks B in chunks: a wider step raised
+# the many-programs kernel's registers, a cost paid by calls that copy nothing (NOTES, v3c)
 _EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim select
 # (one-block path): their PCIe round trip runs under the select instead of after it
+_EARLY_ELEMS_CHUNKED = 2048  # the same where phase 3 walks B in chunks (more programs
+# than SMs, or B above one block), whose walk is longer than the one-block select
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MANY_MAXNREG = 0  # register cap of the many-programs path (0: the compiler's choice)
 
@@ -321,7 +325,7 @@ def _resolve_kernel(
     COPY: tl.constexpr, SRC_STRIDE: tl.constexpr, DST_STRIDE: tl.constexpr,
     DST2_STRIDE: tl.constexpr, SPLIT: tl.constexpr,  # words of a row in the first plane
     ROW_ELEMS: tl.constexpr, COPY_ELEMS: tl.constexpr,
-    EARLY_ELEMS: tl.constexpr,  # words read from host before phase 3 (COPY and ONE_B only)
+    EARLY_ELEMS: tl.constexpr,  # words read from host before phase 3 (COPY only)
     LENS: tl.constexpr,  # seq_lens given: selections at or past a request's length are invalid
 ):
     CLAIM: tl.constexpr = -(2**30)  # claim code of selection j: CLAIM + j (< -1 - W)
@@ -735,6 +739,7 @@ def resolve(selections, req_slots, page_table, page_size, hot_pos, hot_loc, hot_
         block_b = b_pad
     else:
         block_b = min(_BLOCK_B if one_wave else _MANY_BLOCK_B, b_pad)
+    one_block = hot_cache_rows <= block_b  # phase 3 keeps the request's stamps in registers
     sort_max = max(16, triton.next_power_of_2(max(width, 1)))
     scratch = torch.empty(n_batch, 2 * width + sort_max, dtype=torch.int32, device=dev)
     if fused:
@@ -772,12 +777,12 @@ def resolve(selections, req_slots, page_table, page_size, hot_pos, hot_loc, hot_
             BLOCK_W=block_w,
             BLOCK_B=block_b,
             ONE_CHUNK=width <= block_w,
-            ONE_B=hot_cache_rows <= block_b,
+            ONE_B=one_block,
             SORT_MAX=sort_max, SORT_MID=_SORT_MID,
             COPY=fused, SRC_STRIDE=src_stride, DST_STRIDE=dst_stride,
             DST2_STRIDE=dst2_stride, SPLIT=split,
-            ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS,
-            EARLY_ELEMS=_EARLY_ELEMS if fused and hot_cache_rows <= block_b else 0,
+            ROW_ELEMS=row_elems, COPY_ELEMS=_COPY_ELEMS if one_block else _COPY_ELEMS_CHUNKED,
+            EARLY_ELEMS=(0 if not fused else _EARLY_ELEMS if one_block else _EARLY_ELEMS_CHUNKED),
             LENS=seq_lens is not None,
             num_warps=warps,
             num_stages=1,
