@@ -83,12 +83,11 @@ _COPY_ELEMS_CHUNKED = 4096  # the same where phase 3 walks B in chunks: a wider 
 # the many-programs kernel's registers, a cost paid by calls that copy nothing (NOTES, v3c)
 _EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim select
 # (one-block path): their PCIe round trip runs under the select instead of after it
-_EARLY_ELEMS_CHUNKED = 2048  # the same where phase 3 walks B in chunks (more programs
-# than SMs, or B above one block), whose walk is longer than the one-block select
+_EARLY_ELEMS_CHUNKED = 0  # the same where phase 3 walks B in chunks (more programs than
+# SMs, or B above one block); 2048 with 64 registers made the 128K-context step at 512
+# sessions 1.95 -> 2.12 ms and left the SGLang cells within their spread (NOTES.md)
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
-_MANY_MAXNREG = 64  # register cap of the many-programs path (0: the compiler's choice):
-# two CTAs of 16 warps per SM, so 160 programs run in one wave on 132 SMs (with the early
-# words the compiler's choice needs one CTA per SM: batch 160 / 0 % 25.6 -> 31.2 us)
+_MANY_MAXNREG = 0  # register cap of the many-programs path (0: the compiler's choice)
 
 
 def _num_warps(sort_max: int) -> int:
