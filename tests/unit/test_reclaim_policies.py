@@ -68,3 +68,28 @@ def test_unknown_name_lists_supported():
     for name in RECLAIM_POLICIES:
         assert name in str(e.value)
     assert "'random'" in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(RECLAIM_POLICIES))
+def test_many_candidates_with_ties_as_plain_tuples(name):
+    """An admission hands every holder over as a plain tuple: among hundreds of requests
+    with tied pages, admission steps and activity, the victims are still the eq. 4 prefix
+    of the full order, whichever order the candidates come in."""
+    import random
+    rng = random.Random(7)
+    policy = get_reclaim_policy(name)
+    for trial in range(20):
+        cands = [(f"r{i:03d}", rng.randrange(50), rng.randrange(5), rng.choice([0, 1, 2, 3, None]))
+                 for i in range(rng.randrange(1, 300))]
+        rng.shuffle(cands)
+        order = [ReclaimCandidate(*c) for c in policy.order(cands)]
+        total = sum(c[3] or 0 for c in cands)
+        for deficit in {1, total // 3, total // 2, total}:
+            victims = select_victims(policy, cands, deficit)
+            if deficit <= 0:
+                assert victims == []
+            elif total == 0:
+                assert victims is None
+            else:
+                verify_eq4(order, victims, deficit)
+        assert select_victims(policy, cands, total + 1) is None

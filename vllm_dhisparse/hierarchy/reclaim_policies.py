@@ -17,29 +17,31 @@ same requests.
 """
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple
 
 
 class ReclaimCandidate(NamedTuple):
-    """Immutable; a tuple, as an admission lists every admitted request of a source."""
+    """One admitted request as a reclaim order sees it.  Policies read candidates by
+    position, so a plain tuple in this field order serves too (an admission lists every
+    holder of optional pages, and building NamedTuples cost more than choosing)."""
     req_id: str
     admitted: int  # admission order, smaller = admitted earlier
     last_active: int  # last step the request produced rows
     pages: int | None = None  # a_r of eq. 4; None counts as 0
 
 
-def _pages(c: ReclaimCandidate) -> int:
-    return c.pages or 0
-
-
 class ReclaimPolicy:
     name = ""
 
-    def key(self, c: ReclaimCandidate):
+    def keys(self, candidates: list) -> list[tuple]:
+        """The sort key of each candidate, in order; keys end with the request id, so no
+        two are equal and the order is total."""
         raise NotImplementedError
 
     def order(self, candidates: list[ReclaimCandidate]) -> list[ReclaimCandidate]:
-        return sorted(candidates, key=self.key)
+        ranked = sorted(zip(self.keys(candidates), range(len(candidates))))
+        return [candidates[i] for _, i in ranked]
 
 
 class LargestFirst(ReclaimPolicy):
@@ -51,8 +53,8 @@ class LargestFirst(ReclaimPolicy):
     """
     name = "largest_first"
 
-    def key(self, c):
-        return (-_pages(c), c.admitted, c.req_id)
+    def keys(self, candidates):
+        return [(-(pages or 0), admitted, req_id) for req_id, admitted, _, pages in candidates]
 
 
 class OldestFirst(ReclaimPolicy):
@@ -60,8 +62,8 @@ class OldestFirst(ReclaimPolicy):
     have had the most time to warm their hot caches."""
     name = "oldest_first"
 
-    def key(self, c):
-        return (c.admitted, c.req_id)
+    def keys(self, candidates):
+        return [(admitted, req_id) for req_id, admitted, _, _ in candidates]
 
 
 class LeastRecentlyActive(ReclaimPolicy):
@@ -69,8 +71,8 @@ class LeastRecentlyActive(ReclaimPolicy):
     their direct-map coverage is buying the least right now."""
     name = "least_recently_active"
 
-    def key(self, c):
-        return (c.last_active, c.admitted, c.req_id)
+    def keys(self, candidates):
+        return [(last_active, admitted, req_id) for req_id, admitted, last_active, _ in candidates]
 
 
 RECLAIM_POLICIES: dict[str, type[ReclaimPolicy]] = {
@@ -85,22 +87,25 @@ def get_reclaim_policy(name: str) -> ReclaimPolicy:
     return RECLAIM_POLICIES[name]()
 
 
-def select_victims(policy: ReclaimPolicy, candidates: list[ReclaimCandidate],
+def select_victims(policy: ReclaimPolicy, candidates: list,
                    deficit: int) -> list[str] | None:
     """Eq. 4: ids of the shortest policy-ordered prefix whose pages cover ``deficit``.
 
     Returns ``[]`` when there is no deficit and ``None`` when all candidates
     together cannot cover it: the admission must wait and nothing is reclaimed.
+    Only the prefix is put in order (a heap of all holders, popped until covered):
+    an admission takes a few victims out of every admitted request.
     """
     if deficit <= 0:
         return []
-    holders = [c for c in candidates if c.pages]
-    if sum(c.pages for c in holders) < deficit:
+    holders = [c for c in candidates if c[3]]
+    if sum(c[3] for c in holders) < deficit:
         return None
+    heap = list(zip(policy.keys(holders), holders))  # keys are distinct: holders never compared
+    heapq.heapify(heap)
     victims, covered = [], 0
-    for c in policy.order(holders):
-        victims.append(c.req_id)
-        covered += _pages(c)
-        if covered >= deficit:
-            return victims
-    raise AssertionError("unreachable: total covers the deficit")  # pragma: no cover
+    while covered < deficit:
+        _, c = heapq.heappop(heap)
+        victims.append(c[0])
+        covered += c[3]
+    return victims

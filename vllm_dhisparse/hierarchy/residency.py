@@ -37,7 +37,7 @@ import torch
 
 from .device_pool import DevicePagePool
 from .host_store import HostBackupError, HostStore
-from .reclaim_policies import ReclaimCandidate, get_reclaim_policy, select_victims
+from .reclaim_policies import get_reclaim_policy, select_victims
 from .source_state import SourceState
 from .tail import TailWriter
 from .transfers import Transfer
@@ -172,10 +172,11 @@ class ResidencyManager:
         deficit = self.required_per_request + self.reserve - self.pool.num_free  # Δ
         if deficit <= 0:
             return AdmissionPlan(deficit, [])
-        last = self.last_active
-        # only holders of optional pages can cover Δ; an admission lists them every time
-        candidates = [ReclaimCandidate(r.req_id, r.admitted, last.get(r.req_id, 0), a)
-                      for r in self.requests.values() if (a := r.held_optional)]
+        last = self.last_active.get
+        # only holders of optional pages can cover Δ; an admission lists them every time,
+        # as plain tuples in ReclaimCandidate's field order (a NamedTuple each cost more)
+        candidates = [(r.req_id, r.admitted, last(r.req_id, 0), a) for r in self.requests.values()
+                      if (a := r.held_optional)]
         victims = select_victims(self.policy, candidates, deficit)
         return None if victims is None else AdmissionPlan(deficit, victims)
 
