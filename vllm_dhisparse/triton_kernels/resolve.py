@@ -84,10 +84,12 @@ _COPY_ELEMS_CHUNKED = 4096  # the same where phase 3 walks B in chunks: a wider 
 _EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim select
 # (one-block path): their PCIe round trip runs under the select instead of after it
 _EARLY_ELEMS_CHUNKED = 0  # the same where phase 3 walks B in chunks (more programs than
-# SMs, or B above one block); 2048 with 64 registers made the 128K-context step at 512
-# sessions 1.95 -> 2.12 ms and left the SGLang cells within their spread (NOTES.md)
+# SMs, or B above one block); 2048 left the 128K-context step at 512 sessions unchanged
+# alone and slowed it under the 64-register cap (1.95 -> 2.12 ms; NOTES.md, 2026-12-04)
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
-_MANY_MAXNREG = 0  # register cap of the many-programs path (0: the compiler's choice)
+_MANY_MAXNREG = 64  # register cap of the many-programs path (0: the compiler's choice):
+# two CTAs of 16 warps per SM instead of one; the 128K-context step at 512 sessions
+# 2.07 -> 1.94 ms in one call (NOTES.md, 2026-12-04)
 
 
 def _num_warps(sort_max: int) -> int:
