@@ -212,7 +212,7 @@ def test_resolve_copies_its_misses(copy):
 def _layout(resolve_module, layout, monkeypatch):
     """Forces the kernel's path on small shapes: one block, B walked in chunks by a
     one-wave launch, or more programs than SMs."""
-    if layout == "chunked_b":
+    if layout == "chunked":
         monkeypatch.setattr(resolve_module, "_ONE_BLOCK_B", 2)
         monkeypatch.setattr(resolve_module, "_BLOCK_B", 4)
     elif layout == "many_programs":
@@ -221,7 +221,7 @@ def _layout(resolve_module, layout, monkeypatch):
         monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
 
 
-@pytest.mark.parametrize("layout", ["one_block", "chunked_b", "many_programs"])
+@pytest.mark.parametrize("layout", ["one_block", "chunked", "many_programs"])
 @pytest.mark.parametrize("early, step", [(0, 8), (4, 8), (16, 4), (2048, 4096)])
 def test_fused_copy_reads_early_words(layout, early, step, monkeypatch):
     """Every path reads the first ``early`` words of its misses from host before the
@@ -450,12 +450,7 @@ def test_victims_are_the_oldest_slots_in_slot_order(layout, clock, misses, hit, 
     ties to the lower hot slot, the i-th miss (ascending row) to the i-th victim in
     hot-slot order; every hot slot used is stamped c, the clock becomes c (wrapping)."""
     mod = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    if layout == "chunked":
-        monkeypatch.setattr(mod, "_ONE_BLOCK_B", 2)
-        monkeypatch.setattr(mod, "_BLOCK_B", 4)
-    if layout == "many_programs":
-        monkeypatch.setattr(mod, "_sm_count", lambda dev: 1)
-        monkeypatch.setattr(mod, "_MANY_BLOCK_B", 4)
+    _layout(mod, layout, monkeypatch)
     w = World(hot_cache_rows=12, width=16, positions=60, req_slots=2, batch=2, staging_extra=4)
     w.warm(0, list(range(12)))  # hot slot b holds row b
     c = _wrap32(clock + 1)
