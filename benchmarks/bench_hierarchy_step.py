@@ -395,7 +395,7 @@ def main(argv=None) -> int:
                          "advised for transparent huge pages")
     ap.add_argument("--set", action="append", default=[], metavar="_NAME=INT",
                     help="override a launcher constant of the resolve module for this run "
-                         "(recorded in the results file), e.g. --set _EARLY_ELEMS_CHUNKED=0")
+                         "(recorded in the results file), e.g. --set _MANY_MAXNREG=0")
     ap.add_argument("--name", default=None, help="results file stem")
     args = ap.parse_args(argv)
     overrides = C.apply_overrides(args.set)

@@ -283,10 +283,7 @@ def test_selections_past_the_length_read_nothing(many, monkeypatch):
     same calls without the lengths resolve them (they are inside P).  A corrupt length
     only moves the bound within [0, P]."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    if many:
-        monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
-        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
-        monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    _layout(resolve_module, "many_programs" if many else "one_block", monkeypatch)
     w = World(hot_cache_rows=6, width=12, positions=40, req_slots=3, batch=2, lengths=[40, 17, 9])
     w.make_direct(1, [0])
     w.warm(2, [1, 2])
@@ -310,9 +307,7 @@ def test_selections_past_the_length_read_nothing(many, monkeypatch):
 def test_many_programs_path(monkeypatch):
     """More programs than SMs: chunked B and W (two CTAs per SM), fused copy."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
-    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
-    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    _layout(resolve_module, "many_programs", monkeypatch)
     w = World(hot_cache_rows=10, width=12, positions=40, req_slots=3, batch=2)
     w.make_direct(2, [3])
     w.warm(0, [1, 2, 3, 4])
@@ -398,9 +393,7 @@ def test_mismatched_devices_cuda():
 def test_many_programs_warm_slots(monkeypatch):
     """More programs than SMs, hot rows warmed first: chunked victim pass with hits."""
     resolve_module = importlib.import_module("vllm_dhisparse.triton_kernels.resolve")
-    monkeypatch.setattr(resolve_module, "_sm_count", lambda dev: 1)
-    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_B", 4)
-    monkeypatch.setattr(resolve_module, "_MANY_BLOCK_W", 4)
+    _layout(resolve_module, "many_programs", monkeypatch)
     w = World(hot_cache_rows=10, width=12, positions=40, req_slots=3, batch=2)
     w.warm(1, [5, 6, 7])
     for step in range(3):

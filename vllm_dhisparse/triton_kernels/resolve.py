@@ -85,11 +85,13 @@ _EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim 
 # (one-block path): their PCIe round trip runs under the select instead of after it
 _EARLY_ELEMS_CHUNKED = 0  # the same where phase 3 walks B in chunks (more programs than
 # SMs, or B above one block); 2048 left the 128K-context step at 512 sessions unchanged
-# alone and slowed it under the 64-register cap (1.95 -> 2.12 ms; NOTES.md, 2026-12-04)
+# alone (2.07 ms), and with the 64-register cap it took 2.12 ms where neither took 1.95
+# (the words spill under the cap; NOTES.md, 2026-12-04)
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
-_MANY_MAXNREG = 64  # register cap of the many-programs path (0: the compiler's choice):
-# two CTAs of 16 warps per SM instead of one; the 128K-context step at 512 sessions
-# 2.07 -> 1.94 ms in one call (NOTES.md, 2026-12-04)
+_MANY_MAXNREG = 64  # register cap of the many-programs path when B is walked in chunks
+# (0: the compiler's choice): at 16 warps two CTAs per SM instead of one; the 128K-context
+# step at 512 sessions 2.07 -> 1.94 ms in one call (NOTES.md, 2026-12-04).  Not where B
+# fits one block: that path holds the early words, which spill under the cap
 
 
 def _num_warps(sort_max: int) -> int:
@@ -756,7 +758,7 @@ def resolve(selections, req_slots, page_table, page_size, hot_pos, hot_loc, hot_
         src_stride = dst_stride = dst2_stride = 1
     warps = _num_warps(sort_max)
     extra = {}
-    if not one_wave and _MANY_MAXNREG and dev.type == "cuda":
+    if not one_wave and not one_block and _MANY_MAXNREG and dev.type == "cuda":
         extra["maxnreg"] = int(_MANY_MAXNREG)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _resolve_kernel[(n_batch,)](
