@@ -80,13 +80,14 @@ _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused
 # measured up to 2048, single-query k=2048; wider miss lists keep the gather's grid)
 _COPY_ELEMS = 4096  # words in flight per step of the fused copy (one-block path)
 _COPY_ELEMS_CHUNKED = 4096  # the same where phase 3 walks B in chunks: a wider step raised
-# the many-programs kernel's registers, a cost paid by calls that copy nothing (NOTES, v3c)
+# the many-programs kernel's registers, a cost paid by calls that copy nothing (16384 words:
+# batch 160 / 0 % 36.6 -> 52.5 us, NOTES.md)
 _EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim select
 # (one-block path): their PCIe round trip runs under the select instead of after it
 _EARLY_ELEMS_CHUNKED = 0  # the same where phase 3 walks B in chunks (more programs than
 # SMs, or B above one block); 2048 left the 128K-context step at 512 sessions unchanged
 # alone (2.07 ms), and with the 64-register cap it took 2.12 ms where neither took 1.95
-# (the words spill under the cap; NOTES.md, 2026-12-04)
+# (likely spills under the cap; NOTES.md, 2026-12-04)
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MANY_MAXNREG = 64  # register cap of the many-programs path when B is walked in chunks
 # (0: the compiler's choice): at 16 warps two CTAs per SM instead of one; the 128K-context
