@@ -13,6 +13,13 @@ head_dim 512 with qk_rope_head_dim 64, hc_mult 4, n_routed_experts >= 64
 with 6 or 8 active, compress_ratios with one entry per layer
 (4 = compressed + indexer "c4a", 128 = dense compressed "c128a").
 
+vLLM 0.33's CUDA path adds one: the indexer's decode calls DeepGEMM's
+``fp8_fp4_paged_mqa_logits``, which takes 32 or 64 heads, so index_n_heads is 32
+and the same model runs on CPU and GPU.  The widths that no kernel constrains are
+small (q/o LoRA ranks 64/32, expert width 16: vLLM's CPU MoE pads it to its tile)
+so that the trained copy in models/needle_v4 keeps the repository small enough to
+travel to a GPU machine beside vLLM's staged wheels (~13 MB in bf16).
+
 Weights are U(-a, a) with a chosen per tensor kind so logits are far from
 flat and depend on which KV rows attention reads (vLLM's dummy weights
 give every logprob == -ln(vocab)).
@@ -28,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 VOCAB = 512
-BUILD_VERSION = 1  # bump when anything below changes the output
+BUILD_VERSION = 2  # bump when anything below changes the output
 
 CONFIG = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -42,8 +49,8 @@ CONFIG = {
     "num_key_value_heads": 1,
     "head_dim": 512,
     "qk_rope_head_dim": 64,
-    "q_lora_rank": 128,
-    "o_lora_rank": 128,
+    "q_lora_rank": 64,
+    "o_lora_rank": 32,
     "o_groups": 2,
     "sliding_window": 128,
     "rope_theta": 10000.0,
@@ -60,7 +67,7 @@ CONFIG = {
     "n_routed_experts": 64,
     "num_experts_per_tok": 6,
     "n_shared_experts": 1,
-    "moe_intermediate_size": 128,
+    "moe_intermediate_size": 16,
     "hidden_act": "silu",
     "swiglu_limit": 10.0,
     "norm_topk_prob": True,
@@ -69,7 +76,7 @@ CONFIG = {
     "topk_method": "noaux_tc",
     "num_hash_layers": 1,
     "expert_dtype": "bf16",
-    "index_n_heads": 8,
+    "index_n_heads": 32,
     "index_head_dim": 128,
     "index_topk": 512,
     "hc_mult": 4,
