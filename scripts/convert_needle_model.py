@@ -89,6 +89,20 @@ def write(tensors: dict[str, torch.Tensor], out: str, shard_mb: int) -> list[str
     return names
 
 
+def write_model(tensors: dict[str, torch.Tensor], out: str, like: str, shard_mb: int = 15) -> None:
+    """The shards, vLLM's index, the config and tokenizer of ``like`` and SHA256SUMS."""
+    for old in glob.glob(os.path.join(out, "*.safetensors")):
+        os.remove(old)
+    names = write(tensors, out, shard_mb)
+    for f in TOKENIZER_FILES:
+        shutil.copy(os.path.join(like, f), os.path.join(out, f))
+    with open(os.path.join(out, "SHA256SUMS"), "w") as f:
+        for name in names:
+            with open(os.path.join(out, name), "rb") as g:
+                f.write(f"{hashlib.sha256(g.read()).hexdigest()}  {name}\n")
+    print(f"{len(tensors)} tensors in {len(names)} shards -> {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf", required=True, help="save_pretrained directory")
@@ -99,16 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     tensors = convert(args.hf, args.like)
     os.makedirs(args.out, exist_ok=True)
-    for old in glob.glob(os.path.join(args.out, "*.safetensors")):
-        os.remove(old)
-    names = write(tensors, args.out, args.shard_mb)
-    for f in TOKENIZER_FILES:
-        shutil.copy(os.path.join(args.like, f), os.path.join(args.out, f))
-    with open(os.path.join(args.out, "SHA256SUMS"), "w") as f:
-        for name in names:
-            with open(os.path.join(args.out, name), "rb") as g:
-                f.write(f"{hashlib.sha256(g.read()).hexdigest()}  {name}\n")
-    print(f"{len(tensors)} tensors in {len(names)} shards -> {args.out}")
+    write_model(tensors, args.out, args.like, args.shard_mb)
 
 
 if __name__ == "__main__":
