@@ -10,7 +10,7 @@ prefix on every name but ``head.weight``, ``embed.weight`` as ``embed_tokens.wei
 dtype of the same tensor in ``--like`` (the demo model: its names and dtypes are what
 vLLM's loader expects) and refuses any name the two do not share.  Writes shards of at
 most ``--shard-mb`` MB with vLLM's index file, the config and tokenizer of ``--like``, and
-``SHA256SUMS``.
+``SHA256SUMS`` of every file written (what `make demo` checks).
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def write_model(tensors: dict[str, torch.Tensor], out: str, like: str, shard_mb:
     for f in TOKENIZER_FILES:
         shutil.copy(os.path.join(like, f), os.path.join(out, f))
     with open(os.path.join(out, "SHA256SUMS"), "w") as f:
-        for name in names:
+        for name in names + ["model.safetensors.index.json", *TOKENIZER_FILES]:
             with open(os.path.join(out, name), "rb") as g:
                 f.write(f"{hashlib.sha256(g.read()).hexdigest()}  {name}\n")
     print(f"{len(tensors)} tensors in {len(names)} shards -> {out}")

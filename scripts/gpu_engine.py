@@ -227,7 +227,7 @@ def model_sums(model: str) -> dict | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return {name.lstrip("*"): digest for digest, name in
+        return {name.strip().lstrip("*"): digest for digest, name in
                 (ln.split(maxsplit=1) for ln in f if ln.strip())}
 
 
