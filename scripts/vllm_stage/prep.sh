@@ -34,8 +34,15 @@ WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-ext
  apache-tvm-ffi==0.1.11 tilelang==0.1.12 z3-solver==4.15.4.0 blake3==1.0.11 setproctitle==1.3.8
  typing-inspection==0.4.5 compressed-tensors==0.17.0 loguru==0.7.3
  nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0
- nvidia-cutlass-dsl-libs-cu13==4.8.0 quack-kernels==0.6.5"
-# (typing-inspection: the GPU machine's python3 could not import it;
+ nvidia-cutlass-dsl-libs-cu13==4.8.0 quack-kernels==0.6.5
+ uvicorn==0.38.0 watchfiles==1.3.0 orjson==3.13.0 model-hosting-container-standards==0.1.16
+ jmespath==1.1.0 supervisor==4.3.0 prometheus-fastapi-instrumentator==7.1.0
+ python-multipart==0.0.34 websockets==17.4"
+# (`vllm serve` on the H200 stopped at each of uvicorn, watchfiles, orjson,
+#  model-hosting-container-standards and its jmespath in turn; supervisor is that one's other
+#  requirement the machine lacks; prometheus-fastapi-instrumentator, python-multipart and
+#  websockets came with them, unproven either way;
+#  typing-inspection: the GPU machine's python3 could not import it;
 #  compressed-tensors+loguru: imported by the model loader at run time; nvidia-cutlass-dsl
 #  + quack: DeepSeek-V4's compressor (head_dim 512) always runs a CuTe-DSL kernel on CUDA)
 $DL -d "$WORK/whl" $WHEELS 2>&1 | grep -v "Location" || true
