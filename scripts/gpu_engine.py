@@ -8,13 +8,14 @@ Needs a CUDA machine with vLLM 0.33, installed (``pip install vllm==0.33.0``) or
 * ``llm``: ``vllm.LLM(model)`` in a child process;
 * ``serve``: ``vllm serve model`` on 127.0.0.1, asked through the OpenAI client.
 
-Both keep vLLM's GPU defaults (CUDA graphs, prefix caching, chunked prefill) and differ from
-them only in a fixed KV budget (``--kv-bytes``), a context of 16,384 tokens and seed 0.  Per
-arm: the start-up time (until ``LLM(...)`` returns / until ``/health`` answers), which CUDA
+Both run vLLM alone (``VLLM_PLUGINS`` empty unless set: this package's plugin, if
+installed, stays out) with vLLM's GPU defaults (CUDA graphs, prefix caching, chunked
+prefill) but a fixed KV budget (``--kv-bytes``), 16,384 positions and seed 0.  Per arm:
+the start-up time (until ``LLM(...)`` returns / until ``/health`` answers), which CUDA
 graph modes vLLM captured (its "Capturing CUDA graphs (..., FULL)" lines), the pass key of
-``make demo``'s prompt answered greedily with tokens and logprobs, and the output tokens/s of
-a batch of ``--batch`` prompts of 1,000 random tokens x 64 output tokens.  The arms' answers
-are compared token by token and logprob by logprob.
+``make demo``'s prompt answered greedily with tokens and logprobs, and the output tokens/s
+of a batch of ``--batch`` prompts of 1,000 random tokens x 64 output tokens.  The arms'
+answers are compared token by token and logprob by logprob.
 
 Writes ``OUT/gpu_engine.json`` (device, date, commit, vLLM / torch versions; an arm run later
 into the same OUT is merged in) and ``OUT/<arm>.log``.  ``--prompt-json`` gives the pass-key
@@ -30,15 +31,20 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the package's demo helpers, installed or not
 CAPTURE = re.compile(r"Capturing CUDA graphs \(([^)]*)\)")
 OUTPUT_TOKENS, PROMPT_TOKENS = 64, 1000
+
+
+def vllm_alone() -> dict:
+    """The arms' environment: vLLM without this package's plugin (which, installed, would
+    register its DeepSeek-V4 class), unless VLLM_PLUGINS says otherwise."""
+    return {**os.environ, "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", "")}
 
 
 def engine_kwargs(args) -> dict:
@@ -56,7 +62,6 @@ def passkey(args) -> dict:
     if args.prompt_json:
         with open(args.prompt_json) as f:
             return json.load(f)
-    sys.path.insert(0, ROOT)
     from vllm_dhisparse.demo import passkey_prompt
     p = passkey_prompt(args.model, args.prompt_tokens)
     return {"ids": p.ids, "answer": p.answer, "answer_ids": p.answer_ids}
@@ -103,7 +108,8 @@ def run_llm_arm(args, log_path: str) -> dict:
     if args.prompt_json:
         cmd += ["--prompt-json", args.prompt_json]
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                              env=vllm_alone())
     text = open(log_path, errors="replace").read()
     found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not found:
@@ -113,13 +119,8 @@ def run_llm_arm(args, log_path: str) -> dict:
 
 
 # ------------------------------------------------------------------ the serve arm
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_serve_arm(args, log_path: str) -> dict:
+    from vllm_dhisparse.demo import free_port, stop_server, wait_healthy
     port = free_port()
     kw = engine_kwargs(args)
     # `vllm serve`; through its module so that a staged vLLM (no console script) runs too
@@ -129,9 +130,14 @@ def run_serve_arm(args, log_path: str) -> dict:
            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"])]
     log = open(log_path, "w")
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=vllm_alone())
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, args.timeout, log_path)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, args.timeout)
+        except (RuntimeError, TimeoutError) as e:
+            tail = open(log_path, errors="replace").read()[-3000:]
+            raise SystemExit(f"vllm serve: {e} ({log_path}):\n{tail}") from None
         res = {"startup_s": round(time.time() - t0, 1), "command": "vllm serve " +
                " ".join(cmd[5:])}
         from openai import OpenAI
@@ -145,7 +151,7 @@ def run_serve_arm(args, log_path: str) -> dict:
         res["passkey"] = answer_record(key, tokens, choice.text, choice.logprobs.token_logprobs)
         res["batch"] = serve_batch(client, args)
     finally:
-        stop(proc)
+        stop_server(proc)
         log.close()
     return {**res, **captured(open(log_path, errors="replace").read())}
 
@@ -164,33 +170,6 @@ def serve_batch(client, args) -> dict:
     with ThreadPoolExecutor(len(prompts)) as pool:
         tokens = sum(pool.map(one, prompts))
     return throughput(tokens, time.time() - t0, args.batch)
-
-
-def wait_healthy(url: str, proc, timeout_s: float, log_path: str) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            tail = open(log_path, errors="replace").read()[-3000:]
-            raise SystemExit(f"vllm serve exited with code {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"vllm serve did not answer /health within {timeout_s:.0f} s ({log_path})")
-
-
-def stop(proc) -> None:
-    import signal
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------ report
