@@ -153,10 +153,14 @@ SHIMS = [
      lambda m: m.check()),
     ("cpu_scheduling", "vllm.platforms.cpu:CpuPlatform", "check_and_update_config",
      lambda m: m.force(True, 0)),
+    ("spec_step_budget", "vllm.platforms.cpu:CpuPlatform", "check_and_update_config",
+     lambda m: m.apply()),
+    ("spec_step_budget", "vllm.config.vllm:VllmConfig", "_set_max_num_scheduled_tokens",
+     lambda m: m.apply()),
 ]
 
 
-@pytest.mark.parametrize("shim,target,attr,apply", SHIMS, ids=[s[0] for s in SHIMS])
+@pytest.mark.parametrize("shim,target,attr,apply", SHIMS, ids=[f"{s[0]}-{s[2]}" for s in SHIMS])
 def test_a_shim_whose_target_moved_says_so(monkeypatch, shim, target, attr, apply):
     monkeypatch.setattr(expect(target), attr, None)
     with pytest.raises(IntegrationError, match=rf"{VERSION}: .*{attr}"):

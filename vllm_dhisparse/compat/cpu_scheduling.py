@@ -26,6 +26,9 @@ def force(prefix_caching: bool, chunk_tokens: int) -> None:
         if prefix_caching:
             vllm_config.cache_config.enable_prefix_caching = True
         if chunk_tokens:
-            vllm_config.scheduler_config.enable_chunked_prefill = True
-            vllm_config.scheduler_config.max_num_batched_tokens = chunk_tokens
+            sc = vllm_config.scheduler_config
+            sc.enable_chunked_prefill = True
+            sc.max_num_batched_tokens = chunk_tokens
+            if sc.max_num_scheduled_tokens is not None:  # speculation: a step's budget
+                sc.max_num_scheduled_tokens = chunk_tokens
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
