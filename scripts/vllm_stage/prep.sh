@@ -22,11 +22,19 @@ PF=""; for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_6
   manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_26_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 \
   manylinux_2_35_x86_64; do PF="$PF --platform $p"; done
 DL="python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PF"
-mkdir -p "$WORK/dl" "$WORK/whl"
+mkdir -p "$WORK/dl"
 # 1. wheels -------------------------------------------------------------------------------
 ls "$WORK"/dl/vllm-0.33.0-*.whl >/dev/null 2>&1 || $DL -d "$WORK/dl" vllm==0.33.0
-# What the offline engine imports for DeepseekV4ForCausalLM on CUDA that the GPU machine lacks
-# (found by importing the engine/worker/model modules with a faked SM90 platform):
+# What DeepseekV4ForCausalLM on CUDA imports that the GPU machine lacks, for the offline engine
+# (found by importing the engine/worker/model modules with a faked SM90 platform) and for
+# `vllm serve` (found by starting it there):
+# - typing-inspection: pydantic's, missing from the machine's python3;
+# - compressed-tensors, loguru: the model loader's, imported at run time;
+# - nvidia-cutlass-dsl*, quack-kernels: DeepSeek-V4's compressor (head_dim 512) always runs a
+#   CuTe-DSL kernel on CUDA;
+# - uvicorn, watchfiles, orjson, model-hosting-container-standards with its jmespath and
+#   supervisor: the API server's imports; prometheus-fastapi-instrumentator, python-multipart
+#   and websockets: its optional ones, staged so that no route is missing.
 WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-extensions==4.16.0
  cachetools==8.0.2 cbor2==6.3.0 msgspec==0.23.0 pyzmq==27.3.0 pybase64==1.5.1
  partial-json-parser==0.2.1.1.post7 fastapi==0.136.3 starlette==1.10.0 sniffio==1.3.1
@@ -38,14 +46,12 @@ WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-ext
  uvicorn==0.38.0 watchfiles==1.3.0 orjson==3.13.0 model-hosting-container-standards==0.1.16
  jmespath==1.1.0 supervisor==4.3.0 prometheus-fastapi-instrumentator==7.1.0
  python-multipart==0.0.34 websockets==17.4"
-# (`vllm serve` on the H200 stopped at each of uvicorn, watchfiles, orjson,
-#  model-hosting-container-standards and its jmespath in turn; supervisor is that one's other
-#  requirement the machine lacks; prometheus-fastapi-instrumentator, python-multipart and
-#  websockets came with them, unproven either way;
-#  typing-inspection: the GPU machine's python3 could not import it;
-#  compressed-tensors+loguru: imported by the model loader at run time; nvidia-cutlass-dsl
-#  + quack: DeepSeek-V4's compressor (head_dim 512) always runs a CuTe-DSL kernel on CUDA)
-$DL -d "$WORK/whl" $WHEELS 2>&1 | grep -v "Location" || true
+rm -rf "$WORK/whl"; mkdir -p "$WORK/whl"
+$DL -d "$WORK/whl" $WHEELS 2> >(grep -v "Location" >&2)
+for spec in $WHEELS; do  # one wheel per pin: a name pip could not find stops here
+  n=$(echo "${spec%%==*}" | tr '-' '_'); v="${spec##*==}"
+  ls "$WORK"/whl/ | grep -qi "^${n}-${v}-" || { echo "prep.sh: no wheel for $spec" >&2; exit 1; }
+done
 # 2. one site dir: unzip every wheel into it (= pip install --no-deps --target, no scripts)
 S="$WORK/stage/site"; rm -rf "$WORK/stage" "$WORK/bin"; mkdir -p "$S" "$WORK/bin"
 for w in "$WORK"/whl/*.whl; do unzip -q -o "$w" -d "$S"; done
@@ -80,8 +86,10 @@ for b in c moe tl cute; do ( cd "$WORK/bin/$b" && tar -cf - site | xz -6 -T1 > "
   xz -9 -T1 -c "$WORK/py.tar" > "$A/py.tar.xz"; rm -f "$WORK/py.tar" )
 # 5. split into part folders that travel one per call beside the tracked tree
 if [ -z "${PART_MIB:-}" ]; then
-  TREE=$(git -C "$HERE/../.." ls-files -z | (cd "$HERE/../.." && xargs -0 du -cb) | tail -1 | cut -f1)
+  TREE=$(cd "$HERE/../.." && git ls-files -z | python3 -c "import os, sys
+print(sum(os.path.getsize(p) for p in sys.stdin.read().split(chr(0)) if os.path.isfile(p)))")
   PART_MIB=$(( (64 << 20) - TREE - (4 << 20) )); PART_MIB=$(( PART_MIB >> 20 ))
+  [ "$PART_MIB" -ge 2 ] || { echo "prep.sh: the tracked tree leaves no room for a part" >&2; exit 1; }
 fi
 echo "parts of at most $PART_MIB MiB"
 PART_MIB="$PART_MIB" python3 "$HERE/pack.py" "$A" "$CARRY"

@@ -7,7 +7,8 @@
 # Unpacks into $VSTAGE (default /tmp/vstage, which must survive until the last part arrives;
 # a released machine loses it: start again from part 1), checks SHA-256s against MANIFEST,
 # joins split archives once all their pieces have arrived, and exports the environment the
-# engine needs.  Idempotent: sourcing it again with any folder (an empty one too) in a later
+# engine needs.  Idempotent (an archive already unpacked, by name, is skipped: a machine staged
+# from other parts wants a fresh VSTAGE); sourcing it again with any folder (an empty one too) in a later
 # call on the same machine only re-exports the environment.  A folder that holds
 # vstage_cache.tar.xz (a JIT cache brought back from an earlier run:
 # `tar -C $VSTAGE -cJf $OUT/vstage_cache.tar.xz cache`) restores it, which saves the kernel
@@ -51,7 +52,10 @@ for _b in $(awk '{print $1}' "$_vs_manifest" | sed 's/\.part[0-9]*$//' | sort -u
   [ -e "$VSTAGE/done/$_b" ] || _vs_missing="$_vs_missing $_b"
 done
 echo "vstage: unpacked $_vs_src in $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $_vs_t0}") s; $(du -sh "$VSTAGE" | cut -f1) staged"
-if [ -z "$_vs_missing" ]; then echo "vstage: READY"; else echo "vstage: still missing:$_vs_missing"; fi
+if [ "$_vs_manifest" = /dev/null ]; then echo "vstage: no MANIFEST yet (no part folder has arrived)"
+elif [ -z "$_vs_missing" ]; then echo "vstage: READY"
+else echo "vstage: still missing:$_vs_missing"; fi
+unset _vs_src _vs_t0 _vs_manifest _vs_missing _f _b _base _want _got _need _have
 
 # --- environment -------------------------------------------------------------------------
 # (PYTHONPATH does not run .pth files: add the CuTe DSL's package root by hand)
