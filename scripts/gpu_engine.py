@@ -8,20 +8,23 @@ Needs a CUDA machine with vLLM 0.33, installed (``pip install vllm==0.33.0``) or
 * ``llm``: ``vllm.LLM(model)`` in a child process;
 * ``serve``: ``vllm serve model`` on 127.0.0.1, asked through the OpenAI client.
 
-Both run vLLM alone (``VLLM_PLUGINS`` empty unless set: this package's plugin, if
-installed, stays out) with vLLM's GPU defaults (CUDA graphs, prefix caching, chunked
+Both run vLLM without general plugins (``VLLM_PLUGINS`` empty unless set: this package's,
+if installed, stays out) with vLLM's GPU defaults (CUDA graphs, prefix caching, chunked
 prefill) but a fixed KV budget (``--kv-bytes``), 16,384 positions and seed 0.  Per arm:
 the start-up time (until ``LLM(...)`` returns / until ``/health`` answers), which CUDA
-graph modes vLLM captured (its "Capturing CUDA graphs (..., FULL)" lines), the pass key of
+graph modes vLLM captured (its "Capturing CUDA graphs (..., FULL)" progress bars, which its
+default log settings print), the pass key of
 ``make demo``'s prompt answered greedily with tokens and logprobs, and the output tokens/s
 of a batch of ``--batch`` prompts of 1,000 random tokens x 64 output tokens.  The arms'
 answers are compared token by token and logprob by logprob.
 
-Writes ``OUT/gpu_engine.json`` (device, date, commit, vLLM / torch versions; an arm run later
-into the same OUT is merged in) and ``OUT/<arm>.log``.  ``--prompt-json`` gives the pass-key
+Writes ``OUT/gpu_engine.json`` (the model's checked SHA-256s, the engine settings, per arm
+the device, date, commit, vLLM / torch versions; an arm run later into the same OUT with
+the same model and settings joins it) and ``OUT/<arm>.log``.  ``--prompt-json`` gives the pass-key
 prompt as token ids (``{"ids": [...], "answer": " 12345.", "answer_ids": [...]}``); without it
 the prompt is built here (scripts/needle_data.py, the demo's seed; its filler text comes from
-this Python's standard-library docstrings, so another Python builds another prompt).
+this Python's standard-library docstrings, so another Python builds another prompt:
+``--write-prompt FILE`` here makes ``make demo``'s prompt for a GPU machine's other Python).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the package's demo helpers, installed or not
 CAPTURE = re.compile(r"Capturing CUDA graphs \(([^)]*)\)")
 OUTPUT_TOKENS, PROMPT_TOKENS = 64, 1000
+WARM_TOKENS = 8  # a warm-up shorter than a KV block: no prefix-cache hit for a timed prompt
 
 
 def vllm_alone() -> dict:
@@ -82,7 +86,8 @@ def llm_child(args) -> None:
                                    [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
     prompts = [{"prompt_token_ids": p} for p in batch_prompts(args.batch)]
     fixed = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm
+    warm = {"prompt_token_ids": prompts[0]["prompt_token_ids"][:WARM_TOKENS]}
+    llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=2))
     t0 = time.time()
     outs = llm.generate(prompts, fixed)
     res["batch"] = throughput(sum(len(o.outputs[0].token_ids) for o in outs), time.time() - t0,
@@ -107,14 +112,20 @@ def run_llm_arm(args, log_path: str) -> dict:
            "--prompt-tokens", str(args.prompt_tokens)]
     if args.prompt_json:
         cmd += ["--prompt-json", args.prompt_json]
+    from vllm_dhisparse.demo import stop_server
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              env=vllm_alone())
+        # its own session, so that a timeout stops vLLM's engine-core child with it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_alone(),
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            stop_server(proc)
     text = open(log_path, errors="replace").read()
     found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not found:
-        raise SystemExit(f"the LLM arm failed (exit {proc.returncode}); the end of "
-                         f"{log_path}:\n{text[-3000:]}")
+        raise SystemExit(f"the LLM arm failed (exit {proc.returncode}, {args.timeout:.0f} s "
+                         f"allowed); the end of {log_path}:\n{text[-3000:]}")
     return {**json.loads(found[-1][len("RESULT "):]), **captured(text)}
 
 
@@ -138,8 +149,7 @@ def run_serve_arm(args, log_path: str) -> dict:
         except (RuntimeError, TimeoutError) as e:
             tail = open(log_path, errors="replace").read()[-3000:]
             raise SystemExit(f"vllm serve: {e} ({log_path}):\n{tail}") from None
-        res = {"startup_s": round(time.time() - t0, 1), "command": "vllm serve " +
-               " ".join(cmd[5:])}
+        res = {"startup_s": round(time.time() - t0, 1), "command": "vllm " + " ".join(cmd[3:])}
         from openai import OpenAI
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         key = passkey(args)
@@ -165,7 +175,7 @@ def serve_batch(client, args) -> dict:
         return c.usage.completion_tokens
 
     prompts = batch_prompts(args.batch)
-    one(prompts[0][:8])  # warm
+    one(prompts[0][:WARM_TOKENS])
     t0 = time.time()
     with ThreadPoolExecutor(len(prompts)) as pool:
         tokens = sum(pool.map(one, prompts))
@@ -201,10 +211,13 @@ def meta() -> dict:
 
 
 def model_sums(model: str) -> dict | None:
-    """The model's SHA256SUMS (file -> digest): which bytes answered."""
+    """The model's SHA256SUMS (file -> digest), every file checked against it first: which
+    bytes answered.  None for a model without SHA256SUMS (e.g. a hub name)."""
     path = os.path.join(model, "SHA256SUMS")
     if not os.path.exists(path):
         return None
+    from vllm_dhisparse.demo import verified_model
+    verified_model(model)
     with open(path) as f:
         return {name.strip().lstrip("*"): digest for digest, name in
                 (ln.split(maxsplit=1) for ln in f if ln.strip())}
@@ -216,6 +229,19 @@ def git_commit() -> str | None:
                               capture_output=True, text=True).stdout.strip() or None
     except OSError:
         return None
+
+
+def record(path: str, model: dict, engine: dict) -> dict:
+    """The result file's content to add arms to: the existing one when its arms ran the same
+    model bytes with the same engine settings, else a new one."""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("model") == model and old.get("engine") == engine:
+            return old
+        print(f"[gpu_engine] {path} holds arms of another model or engine settings; starting "
+              f"it anew", flush=True)
+    return {"model": model, "engine": engine, "arms": {}}
 
 
 def compare(arms: dict) -> dict | None:
@@ -236,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", default="llm,serve", help="comma-separated: llm, serve")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_engine_out"))
     ap.add_argument("--prompt-json", default=None, help="the pass-key prompt as token ids")
+    ap.add_argument("--write-prompt", default=None, metavar="FILE",
+                    help="write the pass-key prompt built here as --prompt-json's file and "
+                         "exit (no GPU needed): the prompt of this Python for another machine")
     ap.add_argument("--prompt-tokens", type=int, default=7200, help="pass-key prompt length")
     ap.add_argument("--batch", type=int, default=8, help="prompts in the throughput batch")
     ap.add_argument("--kv-bytes", type=int, default=4 << 30, help="KV cache memory, bytes")
@@ -244,6 +273,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child_llm:
         llm_child(args)
+        return 0
+    if args.write_prompt:
+        with open(args.write_prompt, "w") as f:
+            json.dump(passkey(args), f)
+        print(f"[gpu_engine] wrote {args.write_prompt}", flush=True)
         return 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - {"llm", "serve"})
@@ -255,18 +289,19 @@ def main(argv=None) -> int:
                          "`make demo`")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_engine.json")
-    result = json.load(open(path)) if os.path.exists(path) else {"arms": {}}
-    result["meta"] = meta()
-    result["model"] = {"path": args.model, "sha256sums": model_sums(args.model)}
-    result["engine"] = {**engine_kwargs(args), "other": "vLLM's defaults"}
+    model = {"path": args.model, "sha256sums": model_sums(args.model)}
+    engine = {**engine_kwargs(args), "batch_output_tokens": OUTPUT_TOKENS,
+              "other": "vLLM's defaults"}
+    result = record(path, model, engine)
     for arm in arms:
         log_path = os.path.join(args.out, f"{arm}.log")
         print(f"[gpu_engine] {arm}: starting (log: {log_path})", flush=True)
         run = run_llm_arm if arm == "llm" else run_serve_arm
-        result["arms"][arm] = run(args, log_path)
+        result["arms"][arm] = {"meta": meta(), **run(args, log_path)}
         r = result["arms"][arm]
-        print(f"[gpu_engine] {arm}: up in {r['startup_s']} s, graphs {r['cuda_graphs_captured']}, "
-              f"answer {r['passkey']['text']!r} ({'the pass key' if r['passkey']['answered'] else 'NOT the pass key'}), "
+        verdict = "the pass key" if r["passkey"]["answered"] else "NOT the pass key"
+        print(f"[gpu_engine] {arm}: up in {r['startup_s']} s, graphs "
+              f"{r['cuda_graphs_captured']}, answer {r['passkey']['text']!r} ({verdict}), "
               f"{r['batch']['output_tokens_per_s']} output tokens/s", flush=True)
         result["llm_vs_serve"] = compare(result["arms"])
         with open(path, "w") as f:

@@ -1,6 +1,8 @@
 """scripts/gpu_engine.py without a GPU: what it reads from vLLM's log, the model's checksums,
 the comparison of its arms, and its refusals (the GPU run itself is the committed result
 benchmarks/results/gpu_engine_2026-12-04_fac52cc.json)."""
+import hashlib
+import json
 import os
 import sys
 
@@ -38,11 +40,18 @@ def test_piecewise_alone_or_eager_is_not_full():
                      "graph_capture_s": None}
 
 
-def test_model_checksums_name_each_file(tmp_path):
-    (tmp_path / "SHA256SUMS").write_text("ab12  model-00001-of-00001.safetensors\n"
-                                         "cd34 *config.json\n\n")
-    assert gpu_engine.model_sums(str(tmp_path)) == {
-        "model-00001-of-00001.safetensors": "ab12", "config.json": "cd34"}
+def test_model_checksums_are_checked_and_name_each_file(tmp_path):
+    files = {"model-00001-of-00001.safetensors": b"weights", "config.json": b"{}"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    digest = {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}
+    (tmp_path / "SHA256SUMS").write_text(
+        f"{digest['model-00001-of-00001.safetensors']}  model-00001-of-00001.safetensors\n"
+        f"{digest['config.json']} *config.json\n\n")
+    assert gpu_engine.model_sums(str(tmp_path)) == digest
+    (tmp_path / "config.json").write_bytes(b"{ }")  # not the bytes the sums name
+    with pytest.raises(SystemExit, match="config.json: SHA-256 .* does not match"):
+        gpu_engine.model_sums(str(tmp_path))
     assert gpu_engine.model_sums(str(tmp_path / "none")) is None
 
 
@@ -74,3 +83,22 @@ def test_an_unknown_arm_is_refused_with_the_allowed_ones(capsys):
 def test_without_a_gpu_it_says_what_to_run_instead():
     with pytest.raises(SystemExit, match="needs a CUDA GPU.*make demo"):
         gpu_engine.main(["--arms", "llm"])
+
+
+def test_arms_join_a_result_only_of_the_same_model_and_settings(tmp_path):
+    path = str(tmp_path / "gpu_engine.json")
+    model, engine = {"sha256sums": {"m": "ab"}}, {"kv_cache_memory_bytes": 1}
+    first = gpu_engine.record(path, model, engine)
+    first["arms"]["llm"] = {"startup_s": 1.0}
+    (tmp_path / "gpu_engine.json").write_text(json.dumps(first))
+    assert gpu_engine.record(path, model, engine)["arms"] == {"llm": {"startup_s": 1.0}}
+    assert gpu_engine.record(path, {"sha256sums": {"m": "cd"}}, engine)["arms"] == {}
+    assert gpu_engine.record(path, model, {"kv_cache_memory_bytes": 2})["arms"] == {}
+
+
+def test_the_prompt_for_another_machine_is_written_without_a_gpu(tmp_path):
+    out = tmp_path / "passkey.json"
+    assert gpu_engine.main(["--write-prompt", str(out), "--prompt-tokens", "400"]) == 0
+    key = json.loads(out.read_text())
+    assert 300 <= len(key["ids"]) <= 400 and key["answer"].endswith(".")
+    assert len(key["answer_ids"]) >= 2 and all(isinstance(t, int) for t in key["ids"])
