@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains the passkey model (scripts/train_needle_model.py) in one device call and brings
-# back the vLLM checkpoint (convert_needle_model.py, bf16 shards of <= 15 MB: four with the
-# index and checksums, within a call's 8 returned files) and the log.
+# back the vLLM checkpoint (convert_needle_model.py, bf16 shards of <= 15 MB with the index
+# and checksums, within a call's 8 returned files) and the log.
 # The device image has transformers 5.17, whose DeepSeek-V4 differs from the 5.19 the
 # scripts are written for, so 5.19 travels as a tarball made here first:
 #   tar -C .venv/lib/python3.11/site-packages --exclude=__pycache__ -cJf .transformers.tar.xz transformers

@@ -12,7 +12,9 @@ the model whose config gives the target widths (the demo model: 32 indexer heads
   old head's term: every index score is unchanged, so is the top-k.
 * query LoRA rank: the query latent keeps the ``q_lora_rank`` directions that the main and the
   indexer query projections read most (SVD of both maps, the RMS gain folded in); ``q_norm``
-  becomes the constant that restores the latent's scale after the narrower RMS.
+  becomes the constant that restores the latent's scale after the narrower RMS.  Exact when
+  the gain is one constant and the latent and its readers fit the new rank; otherwise an
+  approximation (the trained gains are within 7 % of 1).
 * output LoRA rank: each group's ``wo_b @ wo_a`` is replaced by its best rank-``o_lora_rank``
   factorisation (SVD).
 * experts (routed and shared): the neurons with the largest ``|w1| |w3| |w2|`` are kept.

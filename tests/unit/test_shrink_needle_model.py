@@ -28,7 +28,8 @@ def index_scores(w, q_latent, hidden, keys, heads, head_dim):
 
 
 def test_copied_indexer_heads_give_every_score_unchanged():
-    w = {A + "indexer.wq_b.weight": rand(8 * 16, 12), A + "indexer.weights_proj.weight": rand(8, 20)}
+    w = {A + "indexer.wq_b.weight": rand(8 * 16, 12),
+         A + "indexer.weights_proj.weight": rand(8, 20)}
     old = {"index_n_heads": 8, "index_head_dim": 16}
     q_latent, hidden, keys = rand(12), rand(20), rand(30, 16)
     before = index_scores(w, q_latent, hidden, keys, 8, 16)
@@ -71,7 +72,8 @@ def test_output_rank_cut_keeps_each_groups_product_of_the_new_rank():
     shrink.output_rank(w, A, {"o_lora_rank": r0, "o_groups": groups}, {"o_lora_rank": r1})
     assert w[A + "wo_a.weight"].shape == (groups * r1, width)
     for j, p in enumerate(products):
-        got = w[A + "wo_b.weight"][:, j * r1:(j + 1) * r1] @ w[A + "wo_a.weight"][j * r1:(j + 1) * r1]
+        rows = slice(j * r1, (j + 1) * r1)
+        got = w[A + "wo_b.weight"][:, rows] @ w[A + "wo_a.weight"][rows]
         torch.testing.assert_close(got, p, rtol=1e-4, atol=1e-4)
 
 
