@@ -33,6 +33,16 @@ def engine_config(model: str, extra: dict, classes: bool = True):
                       **kw).create_engine_config()
 
 
+def resident_refusal(model: str, **engine) -> str:
+    """What vLLM says to a resident engine (no connector) with our plugin loaded."""
+    try:
+        EngineArgs(model=model, enforce_eager=True, block_size=256, max_model_len=4096,
+                   **engine).create_engine_config()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def refusal(model: str, extra: dict, classes: bool = True) -> str:
     try:
         DHiSparseConnector(engine_config(model, extra, classes), KVConnectorRole.SCHEDULER)
@@ -46,7 +56,10 @@ def main(model: str, model_without_indexer: str) -> None:
            "inf": refusal(model, {"device_window_tokens": 512, "host_pool_gib": math.inf}),
            "no_indexer": refusal(model_without_indexer, {}),
            "accepted": refusal(model, {}),
-           "no_classes": refusal(model, {}, classes=False)}
+           "no_classes": refusal(model, {}, classes=False),
+           # a step budget that never holds a 4096-token prompt: refused, not left waiting
+           "step_budget": resident_refusal(model, enable_chunked_prefill=False,
+                                           max_num_scheduled_tokens=1024)}
     import vllm.platforms as platforms
     real = platforms.current_platform
     platforms._current_platform = OtherPlatform(real)

@@ -21,7 +21,6 @@ from .conftest import INPROC, REPO
 pytestmark = pytest.mark.e2e
 
 
-
 def test_config_model_and_platform_refusals(demo_model, tmp_path):
     bare = tmp_path / "no_indexer"
     shutil.copytree(demo_model, bare)
@@ -43,6 +42,9 @@ def test_config_model_and_platform_refusals(demo_model, tmp_path):
     assert re.search(r"scheduler_cls is None, needs 'vllm_dhisparse\.integration\.scheduler\."
                      r"DHiSparseScheduler' \(--scheduler-cls\).*worker_cls is 'vllm\.v1\.worker\."
                      r"cpu_worker\.CPUWorker', needs", got["no_classes"]), got
+    assert re.search(r"max_num_scheduled_tokens \(1024\) is smaller than max_model_len \(4096\) "
+                     r"with chunked prefill off.*--max-num-scheduled-tokens to at least 4096",
+                     got["step_budget"]), got
 
 
 def test_pool_size_refusal_stops_start_up(demo_model):

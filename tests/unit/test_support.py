@@ -33,6 +33,18 @@ def test_refusals_name_the_reason_and_the_way_out(cfg, platform, needle):
         check_supported(cfg, platform)
 
 
+def test_a_step_budget_that_cannot_hold_a_prompt_is_refused_on_every_platform():
+    cfg = config()
+    cfg.model_config = SimpleNamespace(max_model_len=8192)
+    cfg.scheduler_config.max_num_scheduled_tokens = 2048
+    for platform in (Platform(True, "cpu"), Platform(False, "cuda")):
+        with pytest.raises(ValueError, match=r"DHiSparseConnector: max_num_scheduled_tokens "
+                                             r"\(2048\) is smaller than max_model_len"):
+            check_supported(cfg, platform)
+    cfg.scheduler_config.max_num_scheduled_tokens = 8192
+    check_supported(cfg, Platform(True, "cpu"))
+
+
 def test_the_connector_checks_at_construction():
     """The platform check runs first in the connector's constructor, in every process."""
     pytest.importorskip("vllm")

@@ -9,6 +9,10 @@ the reason and the way out, instead of producing wrong tokens without an error:
   and are checked layer by layer, but have not run inside a GPU engine: refused
   until they have.
 
+* step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
+  longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
+  it for every engine, this check on every platform for the connector's).
+
 Prefix caching and chunked prefill are served exactly (a request's c4a
 blocks stay in vLLM's cache until its prefill is complete, kv_spec.py).
 """
@@ -50,6 +54,12 @@ def connector_config(vllm_config: "VllmConfig"):
 
 def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
     """Raises ``ValueError`` naming what is unsupported and what to pass instead."""
+    from vllm_dhisparse.compat.spec_step_budget import step_budget_problem
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None:
+        problem = step_budget_problem(vllm_config.scheduler_config, model_config.max_model_len)
+        if problem is not None:
+            raise ValueError(f"DHiSparseConnector: {problem}")
     if platform is None:
         from vllm.platforms import current_platform as platform
     if not platform.is_cpu():
