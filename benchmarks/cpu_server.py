@@ -67,7 +67,7 @@ class Server:
             cmd += connector_args(extra)
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=demo.server_env())
+                                     start_new_session=True)
 
     def __enter__(self):
         try:

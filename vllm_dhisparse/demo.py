@@ -106,18 +106,6 @@ def server_args(max_model_len: int) -> list[str]:
     return args
 
 
-def server_env(base: dict | None = None) -> dict:
-    """The environment of a demo / test server.  On CPU, vLLM reserves one more core for
-    its scheduler whenever a KV connector is configured, so with few cores the worker
-    of the connector arm would run its matrix products on another thread count than
-    the resident arm, and their sums would round differently (logprobs then differ
-    where the hierarchy changed nothing).  Both arms reserve one core here."""
-    env = dict(os.environ if base is None else base)
-    if _on_cpu():
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    return env
-
-
 def spec_args(model: str, preset: str, extra: dict) -> list[str]:
     """Builds the demo drafter next to ``model`` and returns the server's speculative
     arguments; ``extra`` (the connector's config) is told the preset (``spec`` key)."""
@@ -277,7 +265,7 @@ def main(argv=None) -> int:
     extra = dict(json.loads(args.extra_config), stats_file=stats_file)
     # the same drafter in both arms; only the connector's config names the preset
     spec_cmd = spec_args(model, args.spec, extra) if args.spec else []
-    env = server_env()
+    env = dict(os.environ)
     if args.spec:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with DFlash2 / DSpark
     words = ("the hierarchy keeps every row of history in host memory and only the "

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.e2e
 def test_demo_finds_the_pass_key_both_ways_and_compares(capsys):
     """``make demo`` as a fresh clone runs it: the trained model (its checksums checked),
     the 7,158-token passkey prompt, both servers answer the key, tokens and logprobs are
-    identical, and part of what attention read came from host.  Without the same CPU
-    reservation in both arms (demo.server_env) the logprobs differ after a few tokens:
-    vLLM gives the connector arm's worker another thread count."""
+    identical, and part of what attention read came from host.  Both servers run in the
+    same environment, and their workers on the same CPU cores (vLLM alone reserves one
+    more for a KV connector; compat/omp_reserved_cores.py)."""
     rc = demo.main(["--timeout", "600"])
     out = capsys.readouterr().out
     assert rc == 0, out

@@ -35,10 +35,9 @@ def run_example(*args: str, env: dict | None = None) -> dict:
 
 
 def test_offline_example_is_resident_serving(demo_model):
-    # one reserved core in both arms: vLLM reserves one more with a connector on CPU, and
-    # another thread count rounds the dense layers' sums differently; the engine core in
-    # the example's process, which halves a run's time on two cores (conftest.INPROC)
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **INPROC}
+    # the engine core in the example's process, which halves a run's time on two cores
+    # (conftest.INPROC); both arms reserve the same cores (compat/omp_reserved_cores.py)
+    env = dict(INPROC)
     got = run_example(demo_model, "--max-tokens", "8", "--extra", json.dumps(HIER), env=env)
     want = run_example(demo_model, "--max-tokens", "8", "--no-connector", env=env)
     assert got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"], \

@@ -157,6 +157,8 @@ SHIMS = [
      lambda m: m.apply()),
     ("spec_step_budget", "vllm.config.vllm:VllmConfig", "_set_max_num_scheduled_tokens",
      lambda m: m.apply()),
+    ("omp_reserved_cores", "vllm.utils.ompmultiprocessing:OMPProcessManager", "__init__",
+     lambda m: m.apply(lambda ktc: True)),
 ]
 
 

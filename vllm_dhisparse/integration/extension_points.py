@@ -35,8 +35,12 @@ _APPLIED = False
 def _cpu_compat() -> None:
     from vllm.platforms import current_platform
     if current_platform.is_cpu():
-        from vllm_dhisparse.compat import apply_cpu_compat
+        from vllm_dhisparse.compat import apply_cpu_compat, omp_reserved_cores
+
+        from .support import uses_connector
         apply_cpu_compat()
+        # the connector's P/D roles run a handoff thread; kv_both runs none
+        omp_reserved_cores.apply(lambda ktc: ktc.kv_role == "kv_both" and uses_connector(ktc))
 
 
 def _connector() -> None:
