@@ -11,8 +11,11 @@ vLLM recomputes the last prompt token of a fully loaded prompt to sample the
 first output token; in resident serving that token is part of the prompt's
 prefill forward, so the first logprob can round differently (the CPU GEMMs
 see another row count).  ``test_first_token_matches_resident_last_token_alone``
-shows that this is the whole difference: resident serving whose last prompt
-token is a step of its own (chunked prefill) equals P/D bit for bit.
+shows that this is the whole difference: when resident serving and the producer
+both prefill all but the last prompt token in one step (chunked prefill of
+L - 1), every row is computed with the same shapes in both, and P/D equals
+resident bit for bit on any CPU, whether or not its GEMMs round a row the same
+way at another row count.
 """
 import json
 import os
@@ -23,6 +26,8 @@ import time
 import urllib.request
 
 import pytest
+
+from tests import isa
 
 from .conftest import REPO, assert_same_outputs, run_offline
 from .readme_block import (completions_in, metric, post_json, readme_pd_block, run_block,
@@ -36,7 +41,7 @@ DECODE = {"hot_cache_rows": 512, "optional_residency": False}  # small hot cache
 # both arms alike: one engine core in the process, one reserved CPU core (vLLM reserves one
 # more for a KV connector, and another thread count rounds differently)
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-SETS = "ABCD"
+SETS = "ABC"
 
 
 def args(lens=LENS, max_tokens=MAX_TOKENS):
@@ -50,20 +55,21 @@ def free_port() -> int:
 
 
 class Producer:
-    """A kv_producer engine that prefilled LENS four times (handoff sets A, B, C, D: one
+    """A kv_producer engine that prefilled ``lens`` once per handoff set (A, B, C: one
     per test that pulls, so no test depends on another having run) and serves pulls
     until ``stop``."""
 
-    def __init__(self, model, tmp):
+    def __init__(self, model, tmp, lens=LENS, sets=SETS, extra=(), env=ENV):
         self.stop_file = str(tmp / "stop")
         # port 0: the worker binds a free port and reports it through vLLM's handshake
         cfg = {"handoff_port": 0, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
         cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
-               *args(max_tokens=[1]), "--repeat", str(len(SETS)), "--kv-role", "kv_producer",
-               "--remote-decode", "--hold-until", self.stop_file, "--connector", json.dumps(cfg)]
+               *args(lens, [1] * len(lens)), "--repeat", str(len(sets)), *extra,
+               "--kv-role", "kv_producer", "--remote-decode", "--hold-until", self.stop_file,
+               "--connector", json.dumps(cfg)]
         self.log = open(tmp / "producer.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **ENV}, cwd=REPO)
+                                     env={**os.environ, **env}, cwd=REPO)
         line = ""
         while not line.startswith("DHISPARSE_RESULT "):
             line = self.proc.stdout.readline()
@@ -73,8 +79,8 @@ class Producer:
                                      f"{self.log.read()[-6000:]}")
         self.result = json.loads(line.split(" ", 1)[1])
         params = [o["kv_transfer_params"] for o in self.result["outputs"]]
-        n = len(LENS)
-        self.sets = {name: params[k * n:(k + 1) * n] for k, name in enumerate(SETS)}
+        n = len(lens)
+        self.sets = {name: params[k * n:(k + 1) * n] for k, name in enumerate(sets)}
 
     def held_summary(self) -> dict:
         """Stops the producer; its connector counters after every pull."""
@@ -104,7 +110,8 @@ def resident(demo_model):
     return run_offline(demo_model, *args(), env=ENV)
 
 
-def decode(model, tmp_path, params, *extra, lens=LENS, max_tokens=MAX_TOKENS, cfg=None):
+def decode(model, tmp_path, params, *extra, lens=LENS, max_tokens=MAX_TOKENS, cfg=None,
+           env=ENV):
     path = tmp_path / "params.json"
     path.write_text(json.dumps({"outputs": [{"kv_transfer_params": p} for p in params]}))
     # --settle-loads: the loads of one step are reported together, so the requests decode
@@ -112,7 +119,7 @@ def decode(model, tmp_path, params, *extra, lens=LENS, max_tokens=MAX_TOKENS, cf
     # row count); otherwise which step a load ends in is up to transfer timing
     return run_offline(model, *args(lens, max_tokens), "--kv-role", "kv_consumer",
                        "--kv-params", str(path), "--settle-loads",
-                       "--connector", json.dumps({**DECODE, **(cfg or {})}), *extra, env=ENV)
+                       "--connector", json.dumps({**DECODE, **(cfg or {})}), *extra, env=env)
 
 
 def assert_pd_outputs(got, want, requests=None):
@@ -151,12 +158,23 @@ def test_decode_from_handoff_matches_resident(demo_model, producer, resident, tm
     assert m["vllm:dhisparse_handoff_seconds"] == len(LENS), m  # one load-time sample each
 
 
-def test_first_token_matches_resident_last_token_alone(demo_model, producer, tmp_path):
-    """P/D equals resident serving bit for bit once resident also computes the last prompt
-    token in a step of its own (chunked prefill of L - 1 tokens)."""
+@pytest.mark.parametrize("level", [isa.session_level(), *isa.others()])
+def test_first_token_matches_resident_last_token_alone(demo_model, tmp_path, level):
+    """P/D equals resident serving bit for bit, first logprob included, once both compute
+    the same rows with the same shapes: resident and the producer prefill L - 1 tokens in one
+    step (chunked prefill), and resident computes the last prompt token in a step of its own
+    as the consumer does.  At each ISA level this CPU can run (tests/isa.py): the GEMMs of
+    another level round another way, the same in all three engines."""
     n = LENS[0]
-    want = run_offline(demo_model, *args([n], [8]), "--chunk-tokens", str(n - 1), env=ENV)
-    got = decode(demo_model, tmp_path, producer.sets["B"][:1], lens=[n], max_tokens=[8])
+    split = ("--chunk-tokens", str(n - 1))
+    env = {**ENV, **isa.env(level)}
+    want = run_offline(demo_model, *args([n], [8]), *split, env=env)
+    producer = Producer(demo_model, tmp_path, lens=[n], sets="A", extra=split, env=env)
+    try:
+        got = decode(demo_model, tmp_path, producer.sets["A"], lens=[n], max_tokens=[8],
+                     env=env)
+    finally:
+        producer.close()
     assert got["stats"]["totals"]["prompt_tokens_computed"] == 1
     assert_same_outputs(got, want)
 
@@ -173,10 +191,10 @@ def test_without_params_decode_computes_the_prompt(demo_model, resident):
 
 def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident, tmp_path):
     """Policy fail: a handoff already pulled errors its request; the others load.  The
-    test pulls set D's first handoff itself (as a decode instance that loaded it would),
+    test pulls set C's first handoff itself (as a decode instance that loaded it would),
     so the consumer finds it gone whichever tests ran before."""
     from vllm_dhisparse.integration.handoff_transport import pull
-    params = producer.sets["D"]
+    params = producer.sets["C"]
     first = params[0]
     taken, _ = pull(first["remote_host"], first["remote_port"],
                     first["dhisparse"]["handoff_id"], timeout_s=30)
@@ -193,7 +211,7 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     listens there) are computed locally; the valid handoff still loads.  Tokens only:
     the recomputed prefills share their forward with the loaded request's one-token
     step, which resident serving never runs, and bf16 sums round differently there."""
-    bad_id, gone, good = (dict(p) for p in producer.sets["C"])
+    bad_id, gone, good = (dict(p) for p in producer.sets["B"])
     bad_id["dhisparse"] = {**bad_id["dhisparse"], "handoff_id": "no-such-handoff"}
     gone["remote_port"] = free_port()
     got = decode(demo_model, tmp_path, [bad_id, gone, good], "--load-failure-policy",
@@ -203,7 +221,7 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     h = got["stats"]["handoff"]
     assert (h["received"], h["failed"]) == (1, 2), h
 
-    # every capture is pulled once, held or expired; C's first two were never pulled
+    # every capture is pulled once, held or expired; B's first two were never pulled
     # (their lease, 600 s, outlives the test)
     held = producer.held_summary()["handoff"]
     assert held["captured"] == len(SETS) * len(LENS), held
