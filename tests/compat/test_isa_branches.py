@@ -1,9 +1,9 @@
 """The ISA-dependent compat tests also pass on an x86 CPU without AVX-512 (AVX2 only).
 
-On a machine with AVX-512 the native run takes vLLM's AVX-512 branches; this runs the
-same modules again in a subprocess under tests/isa_avx2 (torch reports no AVX-512 /
-AMX, so vLLM loads its AVX2 library and refuses FP8 KV), where they take the AVX2
-branches.  On a machine without AVX-512 the native run already is that run.
+The session (tests/isa.py) takes vLLM's AVX-512 branches wherever the CPU has AVX-512;
+this runs the same modules again in a subprocess at the AVX2 level (torch reports no
+AVX-512 / AMX, so vLLM loads its AVX2 library and refuses FP8 KV), where they take the
+AVX2 branches.  A session at the AVX2 level already is that run.
 """
 import os
 import platform
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests import isa
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ["tests/compat/test_cpu_attn_kv_dtype.py", "tests/compat/test_eager_v4_attention_ops.py",
@@ -30,12 +30,9 @@ sys.exit(rc)
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
                     reason="emulates an x86 CPU and reads /proc/self/maps")
-@pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
-                    reason="no AVX-512 here: the native run is the AVX2 run")
+@pytest.mark.skipif("avx2" not in isa.others(), reason="the session runs at the AVX2 level")
 def test_compat_tests_pass_on_avx2_only_cpu():
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "isa_avx2"),
-                                                        os.environ.get("PYTHONPATH")])))
+    env = {**os.environ, **isa.env("avx2")}
     proc = subprocess.run([sys.executable, "-c", RUN, "-q", "-p", "no:cacheprovider", *MODULES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests import isa
+
 from .conftest import REPO, run_offline
 
 pytestmark = pytest.mark.e2e
@@ -35,9 +37,7 @@ print("RESULT " + json.dumps(dict(chunked_prefill=sc.enable_chunked_prefill,
 
 
 def test_long_prompt_with_speculation_is_scheduled_without_amx(demo_model):
-    env = {**os.environ, **V1, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(REPO, "tests", "isa_no_amx"),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **V1, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **isa.env("avx512")}
     try:
         proc = subprocess.run([sys.executable, "-c", SPEC_RUN, demo_model, str(PROMPT),
                                str(TOKENS)], cwd=REPO, env=env, capture_output=True, text=True,

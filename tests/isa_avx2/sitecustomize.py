@@ -23,3 +23,4 @@ torch.cpu._is_avx512_supported = _absent
 torch.cpu._is_avx512_bf16_supported = _absent
 torch.cpu._is_amx_tile_supported = _absent
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN's kernels too

