@@ -10,6 +10,8 @@ Nothing else configures the package: no environment variable changes what it doe
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -125,7 +127,17 @@ class DHiSparseConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "DHiSparseConfig":
+        """The config of ``kv_connector_extra_config``; parsed once per process for each
+        distinct mapping (every component of a process asks for the same one)."""
         extra = dict(extra or {})
+        try:
+            key = json.dumps(extra, sort_keys=True)
+        except (TypeError, ValueError):  # not JSON: not from vLLM's CLI; parse it each time
+            return cls._parse(extra)
+        return _parsed(cls, key)
+
+    @classmethod
+    def _parse(cls, extra: dict[str, Any]) -> "DHiSparseConfig":
         unknown = sorted(set(extra) - set(_FIELDS))
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; valid keys: "
@@ -142,6 +154,11 @@ class DHiSparseConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(cls: type[DHiSparseConfig], key: str) -> DHiSparseConfig:
+    return cls._parse(json.loads(key))  # frozen: one instance can serve every caller
 
 
 def describe() -> str:

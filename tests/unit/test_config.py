@@ -86,3 +86,20 @@ def test_stats_file_is_replaced_atomically(tmp_path):
     write_json_atomic(str(target), {"a": 2})
     assert target.read_text() == '{"a": 2}' and decoy.read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, decoy.name])
+
+
+def test_parsed_once_per_process_for_each_mapping(monkeypatch):
+    """Every component of a process asks for the config; one parse serves them all."""
+    from vllm_dhisparse import config as C
+    C._parsed.cache_clear()
+    calls = []
+    parse = C.DHiSparseConfig._parse.__func__
+    monkeypatch.setattr(C.DHiSparseConfig, "_parse",
+                        classmethod(lambda cls, extra: calls.append(extra) or parse(cls, extra)))
+    first = DHiSparseConfig.from_extra_config({"host_pool_gib": 3.25, "tail_pages": 3})
+    again = DHiSparseConfig.from_extra_config({"tail_pages": 3, "host_pool_gib": 3.25})
+    other = DHiSparseConfig.from_extra_config({"host_pool_gib": 3.5})
+    assert first is again and other.host_pool_gib == 3.5 and len(calls) == 2
+    for _ in range(2):  # a bad mapping is refused every time, never remembered as good
+        with pytest.raises(ValueError, match="hot_cache_row"):
+            DHiSparseConfig.from_extra_config({"hot_cache_row": 3})

@@ -162,12 +162,18 @@ def test_collector_reports_deltas(monkeypatch):
     col = S.StatsCollector(min_interval_s=0)
     state = {"c": {m.key: 0 for m in S.COUNTERS}, "g": {m.key: 0 for m in S.GAUGES}}
     monkeypatch.setattr(S.StatsCollector, "cumulative",
-                        staticmethod(lambda w: (dict(state["c"]), dict(state["g"]))))
+                        staticmethod(lambda summary: (dict(state["c"]), dict(state["g"]))))
 
     class W:
         hierarchy = object()
-        served = type("Served", (), {"resolve_times": [0.5]})()
-        verify_queries = [4, 1]
+        samples = [{"resolve_seconds": [0.5], "verify_queries": [4, 1], "handoff_seconds": []}]
+
+        def summary(self):
+            return {}
+
+        def take_samples(self):
+            return self.samples.pop() if self.samples else \
+                {"resolve_seconds": [], "verify_queries": [], "handoff_seconds": []}
     state["c"]["selected_rows"], state["g"]["free_pages"] = 10, 7
     first = col.collect(W())
     state["c"]["selected_rows"], state["g"]["free_pages"] = 25, 3

@@ -1,5 +1,7 @@
 """The worker's tables for the routed FlashMLA decode (integration/decode_binding.py):
 which vLLM blocks name which request slot, and the counters it reads after a step."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -8,7 +10,6 @@ pytest.importorskip("vllm")  # the binding is glue: a GPU machine with the core 
 from vllm_dhisparse.flashmla import layout as L  # noqa: E402
 from vllm_dhisparse.flashmla import routing as R  # noqa: E402
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
-from vllm_dhisparse.integration import cuda_attention  # noqa: E402
 from vllm_dhisparse.integration.decode_binding import DecodeBinding  # noqa: E402
 from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.requests import TrackedRequest  # noqa: E402
@@ -25,14 +26,16 @@ def binding():
     layer = SparseLayer(name="l0", compress_ratio=4, top_k=16, row_bytes=584,
                         rows_per_block=64, group=0)
     caches = {"l0": torch.zeros(12, 64, 584, dtype=torch.uint8)}
-    return h, DecodeBinding(h, {"l0": layer}, caches, max_queries=1, fresh_rows={"l0": 2})
+    modules = {"l0": SimpleNamespace(routed=None)}
+    return h, DecodeBinding(h, {"l0": layer}, caches, max_queries=1, fresh_rows={"l0": 2},
+                            modules=modules)
 
 
 def test_newest_and_next_block_name_the_slot_and_the_layer_is_bound():
     h, b = binding()
     try:
         routed = b.routed["l0"]
-        assert cuda_attention._ROUTED["l0"] is routed
+        assert b.modules["l0"].routed is routed
         a = TrackedRequest("a", 300, 10, [[5, 9, 2]])
         c = TrackedRequest("b", 90, 10, [[7, 3]])
         b.write_tables([(a, 300), (c, 100)])  # newest tokens in blocks 9 and 7
@@ -49,7 +52,7 @@ def test_newest_and_next_block_name_the_slot_and_the_layer_is_bound():
         assert int(routed.slot_by_block[9]) == -1 and int(routed.slot_by_block[7]) == sb
     finally:
         b.close()
-    assert "l0" not in cuda_attention._ROUTED
+    assert b.modules["l0"].routed is None
 
 
 def test_counters_are_read_and_reset():

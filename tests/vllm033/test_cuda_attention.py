@@ -109,10 +109,13 @@ def same_arg(x, y) -> bool:
 TILE_SCHED = object()  # vLLM's FlashMLASchedMeta of the step: passed on as it is
 
 
-def decode(cls, sc, prefix="model.layers.0.attn"):
-    """One ``_forward_decode`` of a ``cls`` layer on the scenario's step.  # [T, H, 512]"""
+def decode(cls, sc, prefix="model.layers.0.attn", routed=None):
+    """One ``_forward_decode`` of a ``cls`` layer on the scenario's step, bound to
+    ``routed`` if given (as the worker's binding does).  # [T, H, 512]"""
     b, w = sc.bufs, sc.w
     obj = layer(cls, prefix)
+    if routed is not None:
+        obj.routed = routed
     obj.topk_indices_buffer = b["local"]
     obj.attn_sink = w.sink
     obj.swa_cache_layer = SimpleNamespace(kv_cache=sc.swa.squeeze(-2))  # [blocks, 64, 584]
@@ -131,29 +134,25 @@ def test_routed_decode_is_upstreams_call_with_two_arguments_changed(reference_ke
     calls = reference_kernels
     sc = G.Scenario(G.SMALL, torch.device("cpu"))
     routed_cls = cuda_attention.RoutedDeepseekV4FlashMLAAttention
-    cuda_attention.bind("model.layers.0.attn", sc.rd)
-    try:
-        steps = 0
-        for want in sc.steps():
-            before = sc.rd.counters.clone()
-            up = decode(DeepseekV4FlashMLAAttention, sc)
-            routed = decode(routed_cls, sc)
-            a, r = calls[-2], calls[-1]
-            same = {key for key in a if same_arg(a[key], r[key])}
-            # "out" is each layer's own buffer
-            assert set(a) - same - {"out"} == {"extra_k_cache", "extra_indices_in_kvcache"}
-            assert r["extra_k_cache"] is sc.rd.pool_view
-            served = sc.served()
-            assert served.any() and torch.equal(up[served], routed[served])
-            counted = (sc.rd.counters - before).tolist()
-            assert counted[G.D.COUNTER_FRESH] == want["fresh"]
-            assert counted[G.D.COUNTER_UNROUTED] == want["unrouted"]
-            # a layer not bound to a routing is upstream's, token for token
-            assert torch.equal(decode(routed_cls, sc, "model.layers.1.attn"), up)
-            steps += 1
-        assert steps == G.SMALL["steps"]
-    finally:
-        cuda_attention.unbind_all()
+    steps = 0
+    for want in sc.steps():
+        before = sc.rd.counters.clone()
+        up = decode(DeepseekV4FlashMLAAttention, sc)
+        routed = decode(routed_cls, sc, routed=sc.rd)
+        a, r = calls[-2], calls[-1]
+        same = {key for key in a if same_arg(a[key], r[key])}
+        # "out" is each layer's own buffer
+        assert set(a) - same - {"out"} == {"extra_k_cache", "extra_indices_in_kvcache"}
+        assert r["extra_k_cache"] is sc.rd.pool_view
+        served = sc.served()
+        assert served.any() and torch.equal(up[served], routed[served])
+        counted = (sc.rd.counters - before).tolist()
+        assert counted[G.D.COUNTER_FRESH] == want["fresh"]
+        assert counted[G.D.COUNTER_UNROUTED] == want["unrouted"]
+        # a layer not bound to a routing is upstream's, token for token
+        assert torch.equal(decode(routed_cls, sc, "model.layers.1.attn"), up)
+        steps += 1
+    assert steps == G.SMALL["steps"]
 
 
 def test_a_wrong_location_is_seen(reference_kernels, monkeypatch):
@@ -165,15 +164,11 @@ def test_a_wrong_location_is_seen(reference_kernels, monkeypatch):
         loc, lens = real(self, *a)
         return torch.where(loc >= 0, loc + 1, loc), lens
     monkeypatch.setattr(G.D.RoutedDecode, "locations", off_by_one)
-    cuda_attention.bind("model.layers.0.attn", sc.rd)
-    try:
-        step = next(sc.steps())
-        assert step["tokens"]
-        up = decode(DeepseekV4FlashMLAAttention, sc)
-        routed = decode(cuda_attention.RoutedDeepseekV4FlashMLAAttention, sc)
-        assert not torch.equal(up[sc.served()], routed[sc.served()])
-    finally:
-        cuda_attention.unbind_all()
+    step = next(sc.steps())
+    assert step["tokens"]
+    up = decode(DeepseekV4FlashMLAAttention, sc)
+    routed = decode(cuda_attention.RoutedDeepseekV4FlashMLAAttention, sc, routed=sc.rd)
+    assert not torch.equal(up[sc.served()], routed[sc.served()])
 
 
 def test_every_extension_point_applies_against_vllm_033(on_cuda):

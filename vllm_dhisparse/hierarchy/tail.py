@@ -42,7 +42,7 @@ from .host_store import HostBackupError, HostStore
 from .source_state import SourceState
 
 if TYPE_CHECKING:
-    from .residency import RequestPages, ResidencyCounters
+    from .request_pages import RequestPages, ResidencyCounters
 
 
 class TailWriter:

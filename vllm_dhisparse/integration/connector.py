@@ -96,7 +96,8 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self.dhisparse_worker = self.worker_side_cls(
             self.cfg, layers, *self._worker_args, spec_sizes=self.spec_sizes,
             kv_role=self.kv_role)
-        self.dhisparse_worker.register_kv_caches(kv_caches, self._kv_cache_config)
+        self.dhisparse_worker.register_kv_caches(
+            kv_caches, self._kv_cache_config, dict(iter_sparse_modules(self._vllm_config)))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Both model runners bind before the forward; MRV2 calls start_load_kv

@@ -4,8 +4,9 @@ the hierarchy.
 ``DeepseekV4FlashMLAAttention.forward_mqa`` (vLLM 0.33, ``models/deepseek_v4/nvidia/
 flashmla.py``) splits a batch into decode and prefill tokens and calls
 ``_forward_decode`` for the decode part.  :class:`RoutedDeepseekV4FlashMLAAttention`
-overrides only that method, and only for a c4a layer whose source is bound to a
-:class:`~vllm_dhisparse.flashmla.decode.RoutedDecode` (:func:`bind`): it makes vLLM's
+overrides only that method, and only for a c4a layer bound to its source's
+:class:`~vllm_dhisparse.flashmla.decode.RoutedDecode` (its ``routed``, set by the worker's
+binding, decode_binding.py): it makes vLLM's
 FlashMLA call with two arguments changed -- ``extra_k_cache`` is the hierarchy's
 storage (its rows are byte-identical to vLLM's c4a rows) and
 ``extra_indices_in_kvcache`` the storage rows ``RoutedDecode.locations`` found on the
@@ -27,7 +28,6 @@ from vllm_dhisparse.flashmla.decode import RoutedDecode
 from . import kv_spec
 
 UPSTREAM = "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention"
-_ROUTED: dict[str, RoutedDecode] = {}  # layer prefix -> its source's routing
 
 
 def check() -> None:
@@ -40,23 +40,15 @@ def check() -> None:
     expect("vllm.v1.attention.ops.flashmla:flash_mla_with_kvcache")
 
 
-def bind(layer: str, routed: RoutedDecode) -> None:
-    """Layer ``layer`` reads its c4a rows through ``routed`` from now on."""
-    _ROUTED[layer] = routed
-
-
-def unbind_all() -> None:
-    _ROUTED.clear()
-
-
 class RoutedDeepseekV4FlashMLAAttention(DeepseekV4FlashMLAAttention):
     """A c4a layer (compress ratio 4, top-k indexer) whose history the hierarchy holds."""
+    routed: RoutedDecode | None = None  # its source's routing; None: upstream's decode
 
     def get_kv_cache_spec(self, vllm_config):
         return kv_spec.windowed(super().get_kv_cache_spec(vllm_config), vllm_config)
 
     def _forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output):
-        routed = _ROUTED.get(self.prefix)
+        routed = self.routed
         if routed is None or swa_only or self.compress_ratio != 4:
             return super()._forward_decode(q, kv_cache, swa_metadata, attn_metadata,
                                            swa_only, output)

@@ -21,7 +21,6 @@ from vllm_dhisparse.flashmla import decode as D
 from vllm_dhisparse.flashmla import routing as R
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
-from . import cuda_attention
 from .model_probe import SparseLayer
 from .requests import TrackedRequest
 
@@ -31,8 +30,9 @@ LOOKAHEAD_BLOCKS = 1  # blocks after the newest token's that map to the request 
 class DecodeBinding:
     def __init__(self, hierarchy: KVHierarchy, layers: dict[str, SparseLayer],
                  kv_caches: dict[str, torch.Tensor], max_queries: int,
-                 fresh_rows: dict[str, int]):
-        self.hierarchy, self.layers = hierarchy, layers
+                 fresh_rows: dict[str, int], modules: dict):
+        """``modules``: each c4a layer's attention module (cuda_attention.py's class)."""
+        self.hierarchy, self.layers, self.modules = hierarchy, layers, modules
         self.routed: dict[str, D.RoutedDecode] = {}
         self.slot_reqs: dict[str, dict[int, str]] = {}  # per layer: slot -> request, this step
         for name, layer in layers.items():
@@ -46,7 +46,7 @@ class DecodeBinding:
                 max_queries=max_queries, fresh_rows=fresh_rows[name],
                 staging=arenas.table[0])
         for name, routed in self.routed.items():
-            cuda_attention.bind(name, routed)
+            self.modules[name].routed = routed  # read from now on, by every capture too
 
     def write_tables(self, decoding: list[tuple[TrackedRequest, int]]) -> None:
         """``decoding``: (admitted request, its tokens once this step's are computed)."""
@@ -87,4 +87,5 @@ class DecodeBinding:
                     unrouted_tokens=got[D.COUNTER_UNROUTED], lost_requests=lost)
 
     def close(self) -> None:
-        cuda_attention.unbind_all()
+        for name in self.routed:
+            self.modules[name].routed = None

@@ -44,11 +44,11 @@ def _cpu_compat() -> None:
 
 
 def _connector() -> None:
-    from .support import CONNECTOR_NAME
+    from .support import CONNECTOR_MODULE, CONNECTOR_NAME
     register = expect("vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory."
                       "register_connector", ("name", "module_path", "class_name"))
     try:  # lazy: only the module path is stored until an engine uses the connector
-        register(CONNECTOR_NAME, f"{PACKAGE}.connector", "DHiSparseConnector")
+        register(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     except ValueError:
         pass  # already registered in this process (the plugin runs more than once)
 

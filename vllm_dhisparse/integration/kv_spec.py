@@ -24,12 +24,14 @@ read the earlier chunks' rows from vLLM's cache, and a prefix-cache hit
 brings cached blocks whose rows the worker imports.  vLLM's own skipping
 (``get_num_skipped_tokens``) pads a hit's leading blocks with null blocks and
 frees between chunks, so the window is applied here per request instead:
-:data:`WINDOW_FROM` holds, per request, the computed-token count at which its
-prefill completes; the scheduler half sets it for the step that completes the
-prefill (the worker admits the request at the end of that forward, reading
-every row from vLLM's cache) and it is dropped whenever vLLM frees the
-request's blocks (finish, abort, preemption), so a resumed request is in
-prefill again.  The scheduler frees on the *processed*-token basis, i.e.
+the manager's ``window_from`` holds, per request, the computed-token count at which
+its prefill completes.  It is the connector's scheduler half's register
+(``SchedulerSide.window_from``), handed to every window manager by the package's
+scheduler class (scheduler.py), all in the engine-core process: the scheduler half
+sets an entry for the step that completes the prefill (the worker admits the request
+at the end of that forward, reading every row from vLLM's cache) and it is dropped
+whenever vLLM frees the request's blocks (finish, abort, preemption), so a resumed
+request is in prefill again.  The scheduler frees on the *processed*-token basis, i.e.
 after the step's output came back, and the worker runs steps in order.
 
 The packer needs the c4a specs to differ from the indexer's in a field it
@@ -94,12 +96,6 @@ def _window_of(spec) -> int:
     return int(w or 0)
 
 
-# request id -> computed tokens at which its (re)prefill completes; set by the
-# scheduler half (scheduler_side.py), read and dropped here.  Both live in the
-# engine-core process; request ids are unique within it.
-WINDOW_FROM: dict[str, int] = {}
-
-
 class DHiSparseWindowManager(FullAttentionManager):
     """Full-attention manager that frees blocks behind a trailing window, per
     request, from the end of its prefill on."""
@@ -108,10 +104,17 @@ class DHiSparseWindowManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         check_instance(self)
         self.device_window_tokens = _window_of(kv_cache_spec)
+        # request id -> computed tokens at which its (re)prefill completes: the scheduler
+        # half's register, handed over by DHiSparseScheduler once both exist
+        self.window_from: dict[str, int] | None = None
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        start = WINDOW_FROM.get(request_id)
+        if self.window_from is None:
+            raise RuntimeError("DHiSparseWindowManager has no prefill register: the engine "
+                               "must run DHiSparseScheduler (--scheduler-cls), which hands it "
+                               "the connector's")
+        start = self.window_from.get(request_id)
         if start is None or processed_computed_tokens < start or self.device_window_tokens <= 0:
             return  # in prefill: every block stays
         skipped = processed_computed_tokens - self.device_window_tokens
@@ -121,7 +124,8 @@ class DHiSparseWindowManager(FullAttentionManager):
         self._remove_blocks_in_range(request_id, 0, blocks)
 
     def pop_blocks_for_free(self, request_id: str):
-        WINDOW_FROM.pop(request_id, None)  # finished, aborted or preempted
+        if self.window_from is not None:
+            self.window_from.pop(request_id, None)  # finished, aborted or preempted
         return super().pop_blocks_for_free(request_id)
 
 

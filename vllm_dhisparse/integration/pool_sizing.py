@@ -34,9 +34,6 @@ from vllm_dhisparse.hierarchy.specs import SourceSpec, StagingSpec, device_bytes
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 GIB = 2**30
-# What take_budget took off vLLM's KV budget in this process (None: not wrapped);
-# register_kv_caches must allocate exactly that.
-BUDGETED_BYTES: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,14 +123,20 @@ def staging_sizes(plans: list[SourcePlan], staging: StagingSpec | None, layers: 
                 staging_bound_bytes=staging_bytes(chi, n, k_max, 1, widest))
 
 
-def check_budgeted(plans: list[SourcePlan], staging: StagingSpec | None) -> None:
+def pool_bytes(vllm_config, cfg: DHiSparseConfig, layers: list) -> int:
+    """Device pools and staging arenas of ``layers`` (SparseLayer or LayerShape)."""
+    plans = plan_sources(cfg, layers, vllm_config.model_config.max_model_len,
+                         vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
+    return device_pool_bytes(plans, plan_staging(cfg, plans))
+
+
+def check_budgeted(need: int, taken: int) -> None:
     """The pools about to be allocated are the ones taken off vLLM's budget."""
-    need = device_pool_bytes(plans, staging)
-    if BUDGETED_BYTES is not None and need != BUDGETED_BYTES:
+    if need != taken:
         raise RuntimeError(
-            f"DHiSparse: the device pools need {need} B but "
-            f"{BUDGETED_BYTES} B were taken off vLLM's KV budget (the c4a block size of "
-            f"vLLM's KV cache config differs from cache_config.block_size)")
+            f"DHiSparse: the device pools need {need} B but {taken} B were taken off vLLM's "
+            f"KV budget (the c4a block size of vLLM's KV cache config differs from "
+            f"cache_config.block_size)")
 
 
 def max_queries(vllm_config) -> int:
@@ -142,26 +145,20 @@ def max_queries(vllm_config) -> int:
     return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
-def budget_plans(vllm_config) -> list[SourcePlan]:
-    """The pools for this engine, from the loaded model (before vLLM's KV cache config):
+def budget_layers(vllm_config) -> list[LayerShape]:
+    """The sparse layers of the loaded model, before vLLM's KV cache config exists:
     c4a blocks hold ``block_size`` tokens, ``block_size / 4`` rows."""
     from .model_probe import FP8_DS_MLA_PLANE_BYTES, FP8_DS_MLA_ROW_BYTES, iter_sparse_modules
-    cfg = DHiSparseConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
     block = vllm_config.cache_config.block_size
-    layers = [LayerShape(name, module.compress_ratio, int(module.topk_indices_buffer.shape[1]),
-                         FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_PLANE_BYTES)
-              for name, module in iter_sparse_modules(vllm_config)]
-    return plan_sources(cfg, layers, vllm_config.model_config.max_model_len,
-                        vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
+    return [LayerShape(name, module.compress_ratio, int(module.topk_indices_buffer.shape[1]),
+                       FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_PLANE_BYTES)
+            for name, module in iter_sparse_modules(vllm_config)]
 
 
-def take_budget(vllm_config, cfg: DHiSparseConfig, available: int) -> int:
-    """vLLM's KV budget minus the hierarchy's device pools (the worker's
-    ``determine_available_memory``); remembers what it took for ``check_budgeted``."""
-    global BUDGETED_BYTES
-    plans = budget_plans(vllm_config)
-    pools = device_pool_bytes(plans, plan_staging(cfg, plans))
-    BUDGETED_BYTES = pools
+def take_budget(vllm_config, cfg: DHiSparseConfig, available: int) -> tuple[int, int]:
+    """``(vLLM's share, the pools' share)`` of vLLM's KV budget (the worker's
+    ``determine_available_memory``; the worker keeps the second for ``check_budgeted``)."""
+    pools = pool_bytes(vllm_config, cfg, budget_layers(vllm_config))
     if pools >= available:
         raise ValueError(
             f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "
@@ -172,4 +169,4 @@ def take_budget(vllm_config, cfg: DHiSparseConfig, available: int) -> int:
     logger.info("DHiSparse: %.3f GiB of the %.3f GiB KV budget go to the hierarchy's "
                 "device pools, %.3f GiB to vLLM's blocks", pools / GIB, available / GIB,
                 (available - pools) / GIB)
-    return available - pools
+    return available - pools, pools

@@ -26,8 +26,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
-from vllm_dhisparse.compat.targets import expect
+from vllm_dhisparse.compat.targets import expect, fail
 
+from .kv_spec import DHiSparseWindowManager
 from .metadata import DHiSparseWorkerMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
@@ -53,7 +54,12 @@ def failed_requests(model_runner_output) -> dict[str, str]:
 
 
 class _FailsRequests:
-    """``update_from_output`` that first finishes the requests the workers failed."""
+    """``update_from_output`` that first finishes the requests the workers failed; and
+    at construction, the connector's prefill register handed to the c4a window managers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        share_prefill_register(self)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         failed = failed_requests(model_runner_output)
@@ -72,6 +78,23 @@ class _FailsRequests:
                 finish_reason=request.get_finished_reason(), events=request.take_events(),
                 trace_headers=request.trace_headers))
         return outputs
+
+
+def share_prefill_register(scheduler) -> None:
+    """The connector's scheduler half records when each request's prefill completes; the
+    c4a window managers of the same engine core free blocks only from then on
+    (kv_spec.py).  Both are built inside vLLM's ``Scheduler.__init__``; this joins them."""
+    side = getattr(getattr(scheduler, "connector", None), "scheduler_side", None)
+    if side is None:
+        return  # not DHiSparseConnector: no window managers of ours either
+    coordinator = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
+    managers = getattr(coordinator, "single_type_managers", None)
+    if managers is None:
+        raise fail("Scheduler.kv_cache_manager.coordinator.single_type_managers",
+                   "vLLM's scheduler no longer keeps its KV cache managers there")
+    for manager in managers:
+        if isinstance(manager, DHiSparseWindowManager):
+            manager.window_from = side.window_from
 
 
 class DHiSparseAsyncScheduler(_FailsRequests, AsyncScheduler):

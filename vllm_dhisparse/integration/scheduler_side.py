@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from .handoff_scheduler import HandoffScheduler
-from .kv_spec import WINDOW_FROM
 from .metadata import DHiSparseMetadata, RequestStep
 
 if TYPE_CHECKING:
@@ -37,6 +36,9 @@ class SchedulerSide:
         self._prefilled: set[str] = set()  # prefill complete (until preempted)
         self._finished: set[str] = set()
         self._step = 0
+        # request id -> computed tokens at which its (re)prefill completes; the c4a window
+        # managers read it (kv_spec.py; DHiSparseScheduler hands it to them)
+        self.window_from: dict[str, int] = {}
 
     def on_new_request(self, request: "Request") -> None:
         self._requests[request.request_id] = request
@@ -50,7 +52,7 @@ class SchedulerSide:
         self._requests.pop(rid, None)
         prefilled = rid in self._prefilled
         self._prefilled.discard(rid)
-        WINDOW_FROM.pop(rid, None)
+        self.window_from.pop(rid, None)
         return False, self.handoff.request_finished(request, prefilled)
 
     def _completes_prefill(self, rid: str, num_computed: int, num_real: int) -> bool:
@@ -66,7 +68,7 @@ class SchedulerSide:
         # A resumable (streaming-input) request keeps its blocks between turns and
         # prefills again on top of them: the window never frees its blocks.
         if not getattr(req, "resumable", False):
-            WINDOW_FROM[rid] = done
+            self.window_from[rid] = done
         return True
 
     def _prompt_len(self, rid: str) -> int:
@@ -88,7 +90,7 @@ class SchedulerSide:
         meta.preempted = set(out.preempted_req_ids or ())
         for rid in meta.preempted:  # before this step's requests: a resume may follow at once
             self._prefilled.discard(rid)
-            WINDOW_FROM.pop(rid, None)
+            self.window_from.pop(rid, None)
         drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for new in out.scheduled_new_reqs:
             rid = new.req_id

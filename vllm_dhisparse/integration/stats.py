@@ -39,7 +39,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
@@ -49,8 +49,6 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-    from .worker_side import WorkerSide
 
 MAX_TIME_SAMPLES = 4096  # per collection; the worker is drained every step
 
@@ -248,6 +246,18 @@ class DHiSparseConnectorStats(KVConnectorStats):
 
 
 # -- worker side: cumulative hierarchy counters -> per-interval deltas ------------------------
+class MetricsSource(Protocol):
+    """What the collector reads of the connector's worker half (worker_side.py)."""
+    hierarchy: Any  # None until the KV caches are registered
+    device: Any  # torch.device
+
+    def summary(self) -> dict:
+        """Totals summed over sources and per-source state (the paths of METRICS)."""
+
+    def take_samples(self) -> dict[str, list]:
+        """Each histogram's samples since the last call, at most MAX_TIME_SAMPLES each."""
+
+
 class StatsCollector:
     """Turns the worker's cumulative counters into deltas since the previous ``collect``.
 
@@ -263,14 +273,13 @@ class StatsCollector:
         self.min_interval_s = min_interval_s
 
     @staticmethod
-    def cumulative(worker: "WorkerSide") -> tuple[dict[str, int], dict[str, int]]:
+    def cumulative(summary: dict) -> tuple[dict[str, int], dict[str, int]]:
         """``(counters, gauges)`` now: every metric of the table read from the worker's
         summary (one place sums over sources)."""
-        summary = worker.summary()
         return ({m.key: read(summary, m.path) for m in COUNTERS},
                 {m.key: read(summary, m.path) for m in GAUGES})
 
-    def collect(self, worker: "WorkerSide") -> DHiSparseConnectorStats | None:
+    def collect(self, worker: MetricsSource) -> DHiSparseConnectorStats | None:
         if worker.hierarchy is None:
             return None
         if self.min_interval_s is None:
@@ -279,60 +288,17 @@ class StatsCollector:
         if now - self._last_time < self.min_interval_s:
             return None
         self._last_time = now
-        counters, gauges = self.cumulative(worker)
+        counters, gauges = self.cumulative(worker.summary())
         deltas = {k: v - self._last.get(k, 0) for k, v in counters.items()}
         assert all(d >= 0 for d in deltas.values()), f"counters went backwards: {deltas}"
         self._last = counters
-        samples = take_samples(worker)
+        samples = worker.take_samples()
         assert set(samples) == {m.key for m in HISTOGRAMS}, sorted(samples)
         return DHiSparseConnectorStats(data={
             "counters": {k: d for k, d in deltas.items() if d},
             "gauges": gauges,
             **samples,
         })
-
-
-def take_samples(worker: "WorkerSide") -> dict[str, list]:
-    """Each histogram's samples since the last call (the worker's lists are drained)."""
-    pd = getattr(worker, "handoff", None)
-    lists = {"resolve_seconds": worker.served.resolve_times,
-             "verify_queries": worker.verify_queries,
-             "handoff_seconds": pd.counters.seconds if pd is not None else []}
-    out = {k: v[-MAX_TIME_SAMPLES:] for k, v in lists.items()}
-    for v in lists.values():
-        v.clear()
-    return out
-
-
-def summarize(worker: "WorkerSide") -> dict:
-    """The worker's totals, summed over sources, and the hierarchy's per-source state:
-    what ``stats_file`` holds and what the metrics read.  ``selected`` is counted by the
-    routed layers apart from the resolver's census (``direct + hot + host``, this
-    step's rows counting as direct: they are tail rows); the two must agree."""
-    st = worker.hierarchy.stats()
-    served = worker.served
-    tot = dict(selected=served.selected_rows, direct=served.fresh_selections, hot=0, host=0,
-               fetched=0, bytes_fetched=0, verify_host_selections=0, verify_fetched=0,
-               resolve_calls=0, state_repairs=0)
-    for src in st["sources"].values():
-        r = src["resolver"]
-        for key in ("direct", "hot", "host", "fetched", "bytes_fetched",
-                    "verify_host_selections", "verify_fetched", "state_repairs"):
-            tot[key] += r[key]
-        tot["resolve_calls"] += r["calls"]
-    tot.update(admissions=st["admissions"], admissions_waited=st["admissions_waited"],
-               finished=st["finished"], preempted=st["preempted"],
-               failed=worker.failures.total if worker.failures is not None else 0,
-               step=st["step"], admitted=st["admitted"],
-               device_pool_bytes=worker.device_pool_bytes,
-               host_pool_bytes=sum(s["host_bytes_total"] for s in st["sources"].values()))
-    tot["prompt_tokens_computed"] = worker.prompt_tokens_computed
-    out = dict(totals=tot, sources=st["sources"], staging=st["staging"])
-    if worker.handoff is not None:
-        out["handoff"] = worker.handoff.summary()
-    if worker.spec_sizes is not None:
-        out["spec"] = worker.spec_sizes
-    return out
 
 
 def write_json_atomic(path: str, data: dict) -> None:

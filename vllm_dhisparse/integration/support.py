@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 
 CONNECTOR_NAME = "DHiSparseConnector"
+CONNECTOR_MODULE = "vllm_dhisparse.integration.connector"
 
 
 def uses_connector(kv_transfer_config) -> bool:
@@ -36,10 +37,10 @@ def uses_connector(kv_transfer_config) -> bool:
     if name == CONNECTOR_NAME and not kv_transfer_config.kv_connector_module_path:
         return True
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    from .connector import DHiSparseConnector
     cls = KVConnectorFactory.get_connector_class(kv_transfer_config)
-    return isinstance(cls, type) and issubclass(cls, DHiSparseConnector)
+    # by qualified name: this module sits below the connector and does not import it
+    return isinstance(cls, type) and any(
+        (c.__module__, c.__qualname__) == (CONNECTOR_MODULE, CONNECTOR_NAME) for c in cls.__mro__)
 
 
 def connector_config(vllm_config: "VllmConfig"):

@@ -8,6 +8,8 @@ CPU, ``Worker`` on CUDA).  Without DHiSparseConnector configured it behaves as i
   counted inside the KV memory the operator gives vLLM (``--kv-cache-memory-bytes`` or
   the share from ``--gpu-memory-utilization``); vLLM's own blocks get the rest
   (pool_sizing.py sizes both, from the loaded model).
+* ``initialize_from_config``: before vLLM allocates anything, the pools its KV cache
+  config implies are checked equal to the share taken above.
 * ``get_kv_cache_spec``: a DSpark / DFlash2 drafter's layers report the window-bounded
   draft ring (draft_ring.py).  The c4a layers' windowed spec comes from their routed
   attention class (model.py), which owns that cache.
@@ -20,10 +22,10 @@ from vllm.platforms import current_platform
 from vllm_dhisparse.compat.targets import expect
 
 from . import draft_ring, pool_sizing
+from .model_probe import find_sparse_layers
 from .support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
-
 
 
 def base_for(platform) -> str:
@@ -41,18 +43,32 @@ def check(base: str = BASE) -> None:
     at start-up."""
     expect(f"{base}.determine_available_memory", (), exact=True)
     expect(f"{base}.get_kv_cache_spec", (), exact=True)
+    expect(f"{base}.initialize_from_config", ("kv_cache_config",), exact=True)
 
 
 _Base = expect(BASE)
 
 
 class DHiSparseWorker(_Base):
+    budgeted_bytes: int | None = None  # what the hierarchy's pools took of the KV budget
+
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
         cfg = connector_config(self.vllm_config)
         if cfg is None:
             return available
-        return pool_sizing.take_budget(self.vllm_config, cfg, available)
+        rest, self.budgeted_bytes = pool_sizing.take_budget(self.vllm_config, cfg, available)
+        return rest
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        """Before anything is allocated: the pools that vLLM's KV cache config implies are
+        the ones taken off the budget."""
+        cfg = connector_config(self.vllm_config)
+        if cfg is not None and self.budgeted_bytes is not None:
+            layers = find_sparse_layers(self.vllm_config, kv_cache_config)
+            pool_sizing.check_budgeted(pool_sizing.pool_bytes(self.vllm_config, cfg, layers),
+                                       self.budgeted_bytes)
+        super().initialize_from_config(kv_cache_config)
 
     def get_kv_cache_spec(self):
         specs = super().get_kv_cache_spec()

@@ -32,16 +32,17 @@ from .failures import Failures
 from .handoff_worker import HandoffWorker, LoadJob
 from .metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
-from .pool_sizing import check_budgeted, device_pool_bytes, plan_sources, plan_staging, staging_sizes
+from .pool_sizing import device_pool_bytes, plan_sources, plan_staging, staging_sizes
 from .requests import RequestTable, TrackedRequest
-from .stats import StatsCollector, summarize, write_json_atomic
+from .stats import StatsCollector, write_json_atomic
+from .worker_report import WorkerReport
 from .step_context import ServedCounters, StepContext
 from .vllm_cache import VllmC4aCaches
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
-class WorkerSide:
+class WorkerSide(WorkerReport):
     context_cls = StepContext  # what begin_step binds for the routed layers
     admissions_cls = Admissions
 
@@ -75,7 +76,9 @@ class WorkerSide:
         self.decode_binding = None  # CUDA: the routed FlashMLA decode's tables (decode_binding.py)
 
     # -- set-up -------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config=None) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config=None,
+                           modules: dict | None = None) -> None:
+        """``modules``: the c4a layers' attention modules (the CUDA decode binds to them)."""
         self.vllm_cache.register(kv_caches, self.layers)
         if self.kv_role in ("kv_producer", "kv_consumer"):
             self.handoff = HandoffWorker(self.kv_role, self.cfg, kv_caches, kv_cache_config,
@@ -83,7 +86,6 @@ class WorkerSide:
         plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
                              self.max_num_seqs, self.max_queries)
         staging = plan_staging(self.cfg, plans)
-        check_budgeted(plans, staging)
         self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
         if self.spec_sizes is not None:
             self.spec_sizes.update(staging_sizes(plans, staging, list(self.layers.values()),
@@ -106,7 +108,7 @@ class WorkerSide:
         if self.device.type == "cuda":
             from .decode_binding import DecodeBinding
             self.decode_binding = DecodeBinding(self.hierarchy, self.layers, kv_caches,
-                                                self.max_queries, self.fresh_rows)
+                                                self.max_queries, self.fresh_rows, modules or {})
         logger.info("DHiSparse: %d sparse sources (%s), hot cache %d rows, host pool %.2f GiB",
                     len(specs), ", ".join(self.layers), specs[0].hot_cache_rows,
                     self.cfg.host_pool_gib)
@@ -226,10 +228,6 @@ class WorkerSide:
         return out
 
     # -- reporting ---------------------------------------------------------------------
-    def summary(self) -> dict:
-        """Counters summed over sources (stats.summarize)."""
-        return summarize(self)
-
     def take_failed(self) -> dict[str, str]:
         return self.failures.take_unreported() if self.failures is not None else {}
 
