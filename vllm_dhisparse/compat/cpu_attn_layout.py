@@ -6,7 +6,7 @@ DeepSeek-V4 indexer declares ``(BLHNC, BLNHC)`` (``v1/attention/backends/mla/ind
 and a non-MLA drafter on CPU is always placed on CPU_ATTN: the engine then fails at start
 with "No KV cache layout satisfies every supported set".  CPU_ATTN reads its cache
 through per-block strides, and both layouts give identical tokens and logprobs on a
-Qwen3 target (``../shared/notes/spec_decode.md`` 4.1); CUDA backends declare no layout.
+Qwen3 target; CUDA backends declare no layout.
 Next to DeepSeek-V4 the layers also need ``cpu_attn_kv_dtype`` (the inherited cache dtype).
 """
 from __future__ import annotations

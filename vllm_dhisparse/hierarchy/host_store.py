@@ -7,7 +7,7 @@ zero-copy and copies to and from it are asynchronous.
 
 Each request gets one *contiguous* extent sized for its maximum length: random
 656 B reads spread over a 32 GiB pool ran at ~18 GB/s on the H200 against
-~45 GB/s inside one request's region (shared/notes/environment.md).
+~45 GB/s inside one request's region.
 
 Writes are two-phase (``prepare_backup`` -> ``complete_backup``): a backup copies
 a contiguous run of rows straight into the request's slice of the pool on the
