@@ -25,10 +25,10 @@ import os
 import torch
 
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
-from vllm_dhisparse.integration.admission import Admissions
+from vllm_dhisparse.integration.worker.admission import Admissions
 from vllm_dhisparse.integration.connector import DHiSparseConnector
-from vllm_dhisparse.integration.step_context import StepContext
-from vllm_dhisparse.integration.worker_side import WorkerSide
+from vllm_dhisparse.integration.layers.step_context import StepContext
+from vllm_dhisparse.integration.worker.worker_side import WorkerSide
 
 from tests.hierarchy_faults import fail_next_backup
 

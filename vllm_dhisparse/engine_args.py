@@ -1,7 +1,7 @@
 """Everything an engine needs to run with DHiSparseConnector, for ``LLM(...)`` and ``vllm serve``.
 
 The connector runs with its own scheduler and worker classes (vLLM's ``scheduler_cls``
-and ``worker_cls``: integration/scheduler.py, integration/worker.py); an engine
+and ``worker_cls``: integration/engine_core/scheduler.py, integration/worker/worker.py); an engine
 configured with the connector but not with them stops at start-up, naming them.
 
     from vllm import LLM
@@ -19,8 +19,8 @@ import shlex
 from typing import Any
 
 CONNECTOR = "DHiSparseConnector"
-SCHEDULER_CLS = "vllm_dhisparse.integration.scheduler.DHiSparseScheduler"
-WORKER_CLS = "vllm_dhisparse.integration.worker.DHiSparseWorker"
+SCHEDULER_CLS = "vllm_dhisparse.integration.engine_core.scheduler.DHiSparseScheduler"
+WORKER_CLS = "vllm_dhisparse.integration.worker.worker.DHiSparseWorker"
 
 
 def transfer_config(extra: dict[str, Any] | None = None, kv_role: str = "kv_both",

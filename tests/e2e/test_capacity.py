@@ -2,7 +2,7 @@
 
 Both arms get the same KV budget in bytes (``kv_cache_memory_bytes``).  With the
 connector that budget holds vLLM's blocks *and* the hierarchy's device pools
-(``integration/pool_sizing.py`` takes them off what vLLM allocates), so the
+(``integration/worker/pool_sizing.py`` takes them off what vLLM allocates), so the
 comparison is byte for byte; the pinned host pool is the memory the design
 trades for it.  The c4a compressed caches live in their own group with a
 512-token device window: vLLM frees their blocks behind the window once a

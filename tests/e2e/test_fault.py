@@ -6,7 +6,7 @@ backup happen at admission, right after r1's prefill, when vLLM may already free
 c4a blocks behind the device window: r1 can no longer be served exactly); the worker's
 admission of r2, the first append of r3's committed rows and the first resolve of r4
 raise.  The worker half reports each in its ``KVConnectorWorkerMetadata``; the
-connector's scheduler (``integration/scheduler.py``) finishes it with
+connector's scheduler (``integration/engine_core/scheduler.py``) finishes it with
 ``FINISHED_ERROR`` (finish reason ``"error"``) and no token of that step.  r0 and r5 must finish
 with the tokens of resident serving (logprobs to bf16 rounding: without the failed
 requests the later batches differ from resident serving's), and the engine goes on.

@@ -193,7 +193,7 @@ def test_failed_handoff_fails_that_request_alone(demo_model, producer, resident,
     """Policy fail: a handoff already pulled errors its request; the others load.  The
     test pulls set C's first handoff itself (as a decode instance that loaded it would),
     so the consumer finds it gone whichever tests ran before."""
-    from vllm_dhisparse.integration.handoff_transport import pull
+    from vllm_dhisparse.integration.handoff.transport import pull
     params = producer.sets["C"]
     first = params[0]
     taken, _ = pull(first["remote_host"], first["remote_port"],

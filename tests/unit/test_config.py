@@ -78,7 +78,7 @@ def test_no_environment_variable_configures_the_package():
 
 def test_stats_file_is_replaced_atomically(tmp_path):
     pytest.importorskip("vllm")
-    from vllm_dhisparse.integration.stats import write_json_atomic
+    from vllm_dhisparse.integration.metrics.stats import write_json_atomic
     target = tmp_path / "stats.json"
     decoy = tmp_path / f"stats.json.tmp{__import__('os').getpid()}"  # the old predictable name
     decoy.write_text("keep me")

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the metric classes subclass vLLM's KVConnectorStats")
 
-from vllm_dhisparse.integration import stats as S  # noqa: E402
+from vllm_dhisparse.integration.metrics import stats as S  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DASHBOARD = os.path.join(REPO, "grafana", "dhisparse.json")

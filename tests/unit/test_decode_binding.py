@@ -1,4 +1,4 @@
-"""The worker's tables for the routed FlashMLA decode (integration/decode_binding.py):
+"""The worker's tables for the routed FlashMLA decode (integration/worker/decode_binding.py):
 which vLLM blocks name which request slot, and the counters it reads after a step."""
 from types import SimpleNamespace
 
@@ -10,9 +10,9 @@ pytest.importorskip("vllm")  # the binding is glue: a GPU machine with the core 
 from vllm_dhisparse.flashmla import layout as L  # noqa: E402
 from vllm_dhisparse.flashmla import routing as R  # noqa: E402
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
-from vllm_dhisparse.integration.decode_binding import DecodeBinding  # noqa: E402
-from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
-from vllm_dhisparse.integration.requests import TrackedRequest  # noqa: E402
+from vllm_dhisparse.integration.worker.decode_binding import DecodeBinding  # noqa: E402
+from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.worker.requests import TrackedRequest  # noqa: E402
 
 
 def binding():

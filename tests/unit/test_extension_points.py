@@ -38,7 +38,9 @@ def test_everything_applies_with_this_vllm(fresh):
 def test_the_qualnames_name_the_classes():
     from vllm.model_executor.models import ModelRegistry
 
-    from vllm_dhisparse.integration import model, scheduler, worker
+    from vllm_dhisparse.integration.engine_core import scheduler
+    from vllm_dhisparse.integration.layers import model
+    from vllm_dhisparse.integration.worker import worker
     assert scheduler.QUALNAME == SCHEDULER_CLS and worker.QUALNAME == WORKER_CLS
     assert expect(SCHEDULER_CLS.rpartition(".")[0] + ":DHiSparseScheduler") \
         is scheduler.DHiSparseScheduler
@@ -83,8 +85,8 @@ SIGNATURES = [
      "_has_partial_local_hit"),
     ("scheduler", "vllm.v1.core.sched.scheduler:Scheduler", "finish_requests"),
     ("scheduler", "vllm.v1.core.sched.scheduler:Scheduler", "update_from_output"),
-    ("worker", "vllm_dhisparse.integration.worker:_Base", "determine_available_memory"),
-    ("worker", "vllm_dhisparse.integration.worker:_Base", "get_kv_cache_spec"),
+    ("worker", "vllm_dhisparse.integration.worker.worker:_Base", "determine_available_memory"),
+    ("worker", "vllm_dhisparse.integration.worker.worker:_Base", "get_kv_cache_spec"),
     ("model", "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention", "forward_mqa"),
     ("model", "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention",
      "get_kv_cache_spec"),
@@ -103,7 +105,7 @@ def test_a_vllm_method_with_another_signature_stops_start_up(fresh, monkeypatch,
 def test_a_missing_vllm_module_stops_start_up(fresh, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.async_scheduler", None)
-    monkeypatch.delitem(sys.modules, "vllm_dhisparse.integration.scheduler", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm_dhisparse.integration.engine_core.scheduler", raising=False)
     with pytest.raises(RuntimeError, match=r"scheduler: .*cannot load.*async_scheduler"):
         EP.require(config())
 
@@ -123,7 +125,7 @@ def test_an_engine_without_the_connectors_classes_stops_start_up(fresh, schedule
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_scheduler_name_builds_the_variant_vllm_schedules_with(monkeypatch, async_scheduling):
     """One name to configure: with async scheduling on, vLLM gets the AsyncScheduler one."""
-    from vllm_dhisparse.integration import scheduler as S
+    from vllm_dhisparse.integration.engine_core import scheduler as S
     built = []
     for cls in (S.DHiSparseScheduler, S.DHiSparseAsyncScheduler):  # no engine here
         monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: built.append(type(self)))

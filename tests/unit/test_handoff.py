@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("vllm", reason="the handoff glue imports vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
-from vllm_dhisparse.integration.handoff_scheduler import (NAMESPACE,  # noqa: E402
+from vllm_dhisparse.integration.handoff.scheduler import (NAMESPACE,  # noqa: E402
                                                           HandoffScheduler)
-from vllm_dhisparse.integration.handoff_store import Handoff, HandoffStore  # noqa: E402
-from vllm_dhisparse.integration.handoff_transport import (HandoffError,  # noqa: E402
+from vllm_dhisparse.integration.handoff.store import Handoff, HandoffStore  # noqa: E402
+from vllm_dhisparse.integration.handoff.transport import (HandoffError,  # noqa: E402
                                                           HandoffServer, pull)
 
 
@@ -189,14 +189,14 @@ def test_config_rejects_bad_port():
 
 
 def test_auto_host_is_the_nodes_address(monkeypatch):
-    from vllm_dhisparse.integration.handoff_worker import resolve_host
+    from vllm_dhisparse.integration.handoff.worker import resolve_host
     monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
     assert resolve_host("auto") == "127.0.0.1"
     assert resolve_host("10.1.2.3") == "10.1.2.3"
 
 
 def test_a_request_aborted_while_waiting_for_room_is_never_admitted():
-    from vllm_dhisparse.integration.handoff_worker import (Consumer, HandoffCounters,
+    from vllm_dhisparse.integration.handoff.worker import (Consumer, HandoffCounters,
                                                            HandoffWorker, LoadJob)
     from vllm_dhisparse.integration.metadata import LoadItem
     pd = HandoffWorker.__new__(HandoffWorker)  # consumer state only, no engine
@@ -216,7 +216,7 @@ def test_a_request_aborted_while_waiting_for_room_is_never_admitted():
 def test_block_positions_from_the_producer_are_checked():
     """A handoff's block positions come from the socket: negative, repeated, unordered,
     out-of-range or miscounted positions fail the load before any block is written."""
-    from vllm_dhisparse.integration.handoff_worker import Consumer, KVLayout
+    from vllm_dhisparse.integration.handoff.worker import Consumer, KVLayout
     from vllm_dhisparse.integration.metadata import LoadItem
     cache = torch.zeros(8, 4, 2)
     cfg = SimpleNamespace(num_blocks=8, kv_cache_groups=[

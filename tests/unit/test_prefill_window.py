@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dhisparse.integration.kv_spec import DHiSparseWindowManager
-from vllm_dhisparse.integration.scheduler_side import SchedulerSide
+from vllm_dhisparse.integration.engine_core.kv_spec import DHiSparseWindowManager
+from vllm_dhisparse.integration.engine_core.scheduler_side import SchedulerSide
 
 
 def request(rid: str, prompt: int, outputs: int = 0):
@@ -152,7 +152,7 @@ def test_a_window_manager_without_the_register_stops_with_the_fix():
 
 def test_the_scheduler_class_hands_the_register_to_its_window_managers(side):
     from vllm_dhisparse.compat.targets import IntegrationError
-    from vllm_dhisparse.integration.scheduler import share_prefill_register
+    from vllm_dhisparse.integration.engine_core.scheduler import share_prefill_register
     ours, other = object.__new__(DHiSparseWindowManager), SimpleNamespace()
     ours.window_from = None
     coordinator = SimpleNamespace(single_type_managers=(other, ours))

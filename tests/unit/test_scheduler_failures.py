@@ -1,5 +1,5 @@
 """The scheduler class finishes the requests the workers failed, with an error, before
-vLLM processes the step's output (integration/scheduler.py), on vLLM's own request and
+vLLM processes the step's output (integration/engine_core/scheduler.py), on vLLM's own request and
 output types; the base scheduler is a stand-in that records the order of calls."""
 from types import SimpleNamespace
 
@@ -7,7 +7,7 @@ from vllm.v1.engine import EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_dhisparse.integration.metadata import DHiSparseWorkerMetadata
-from vllm_dhisparse.integration.scheduler import _FailsRequests
+from vllm_dhisparse.integration.engine_core.scheduler import _FailsRequests
 
 
 def request(rid: str, client: int = 0) -> Request:

@@ -15,12 +15,12 @@ import torch
 pytest.importorskip("vllm", reason="WorkerSide logs through vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
-from vllm_dhisparse.integration import routing as R  # noqa: E402
-from vllm_dhisparse.integration import step_context  # noqa: E402
-from vllm_dhisparse.integration import worker_side as WS  # noqa: E402
+from vllm_dhisparse.integration.layers import routing as R  # noqa: E402
+from vllm_dhisparse.integration.layers import step_context  # noqa: E402
+from vllm_dhisparse.integration.worker import worker_side as WS  # noqa: E402
 from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
-from vllm_dhisparse.integration.model_probe import SparseLayer  # noqa: E402
-from vllm_dhisparse.integration.stats import METRICS, StatsCollector  # noqa: E402
+from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.metrics.stats import METRICS, StatsCollector  # noqa: E402
 
 from tests.fault_injection import FaultyWorkerSide  # noqa: E402
 from tests.hierarchy_invariants import check_invariants  # noqa: E402

@@ -22,7 +22,7 @@ from vllm_dhisparse.compat.targets import IntegrationError
 from vllm_dhisparse.flashmla import layout as L
 from vllm_dhisparse.flashmla import routing as R
 from vllm_dhisparse.flashmla.reference import sparse_decode
-from vllm_dhisparse.integration import cuda_attention, model
+from vllm_dhisparse.integration.layers import cuda_attention, model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -175,7 +175,8 @@ def test_every_extension_point_applies_against_vllm_033(on_cuda):
     """The glue's start-up checks against 0.33's classes, with the CUDA worker as the
     worker's base: what a GPU engine of 0.33 would run them against."""
     from vllm_dhisparse.integration import extension_points as ep
-    from vllm_dhisparse.integration import draft_ring, kv_spec, scheduler, worker
+    from vllm_dhisparse.integration.engine_core import draft_ring, kv_spec, scheduler
+    from vllm_dhisparse.integration.worker import worker
     for piece, step in ep.REGISTRATIONS.items():
         step()
     for module in (scheduler, kv_spec, draft_ring, cuda_attention):

@@ -28,16 +28,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.spec import check_engine, ring_sizes
 
-from .draft_ring import ring_block_size
+from .engine_core.draft_ring import ring_block_size
 from .extension_points import require
-from .handoff_scheduler import HandoffScheduler
+from .handoff.scheduler import HandoffScheduler
 from .metadata import DHiSparseHandshake, DHiSparseMetadata, DHiSparseWorkerMetadata
-from .model_probe import find_sparse_layers, iter_sparse_modules, require_sparse_indexer
-from .pool_sizing import max_queries
-from .scheduler_side import SchedulerSide
-from .stats import DHiSparseConnectorStats, DHiSparsePromMetrics
+from .worker.model_probe import find_sparse_layers, iter_sparse_modules, require_sparse_indexer
+from .worker.pool_sizing import max_queries
+from .engine_core.scheduler_side import SchedulerSide
+from .metrics.stats import DHiSparseConnectorStats, DHiSparsePromMetrics
 from .support import check_supported
-from .worker_side import WorkerSide
+from .worker.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,7 +84,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from .model import is_routed
+        from .layers.model import is_routed
         for name, module in iter_sparse_modules(self._vllm_config):
             if not is_routed(module):
                 arch = self._vllm_config.model_config.architecture

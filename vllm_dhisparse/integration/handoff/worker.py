@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from vllm.logger import init_logger
 
-from .handoff_store import Handoff, HandoffStore
-from .handoff_transport import HandoffError, HandoffServer, pull
-from .metadata import LoadItem
+from .store import Handoff, HandoffStore
+from .transport import HandoffError, HandoffServer, pull
+from ..metadata import LoadItem
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 

@@ -23,7 +23,7 @@ import torch
 import zmq
 from vllm.logger import init_logger
 
-from .handoff_store import Handoff, HandoffStore
+from .store import Handoff, HandoffStore
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 

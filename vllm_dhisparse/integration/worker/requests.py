@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .metadata import DHiSparseMetadata, RequestStep
+from ..metadata import DHiSparseMetadata, RequestStep
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .stats import MAX_TIME_SAMPLES
+from ..metrics.stats import MAX_TIME_SAMPLES
 
 
 class WorkerReport:

@@ -22,8 +22,8 @@ import numpy as np
 
 from vllm.logger import init_logger
 
-from .kv_spec import DHiSparseCompressedSpec
-from .metadata import LoadItem
+from ..engine_core.kv_spec import DHiSparseCompressedSpec
+from ..metadata import LoadItem
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

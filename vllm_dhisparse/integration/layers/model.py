@@ -20,8 +20,8 @@ from vllm.platforms import current_platform
 
 from vllm_dhisparse.compat.targets import expect, fail
 
-from .model_probe import is_sparse_layer
-from .support import connector_config
+from ..worker.model_probe import is_sparse_layer
+from ..support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 

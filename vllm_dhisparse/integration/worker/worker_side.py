@@ -26,17 +26,17 @@ from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 
-from . import step_context
+from ..layers import step_context
 from .admission import Admissions
 from .failures import Failures
-from .handoff_worker import HandoffWorker, LoadJob
-from .metadata import DHiSparseMetadata
+from ..handoff.worker import HandoffWorker, LoadJob
+from ..metadata import DHiSparseMetadata
 from .model_probe import SparseLayer
 from .pool_sizing import device_pool_bytes, plan_sources, plan_staging, staging_sizes
 from .requests import RequestTable, TrackedRequest
-from .stats import StatsCollector, write_json_atomic
+from ..metrics.stats import StatsCollector, write_json_atomic
 from .worker_report import WorkerReport
-from .step_context import ServedCounters, StepContext
+from ..layers.step_context import ServedCounters, StepContext
 from .vllm_cache import VllmC4aCaches
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
-from .handoff_scheduler import HandoffScheduler
-from .metadata import DHiSparseMetadata, RequestStep
+from ..handoff.scheduler import HandoffScheduler
+from ..metadata import DHiSparseMetadata, RequestStep
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

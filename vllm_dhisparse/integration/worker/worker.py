@@ -21,9 +21,10 @@ from vllm.platforms import current_platform
 
 from vllm_dhisparse.compat.targets import expect
 
-from . import draft_ring, pool_sizing
+from ..engine_core import draft_ring
+from . import pool_sizing
 from .model_probe import find_sparse_layers
-from .support import connector_config
+from ..support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
