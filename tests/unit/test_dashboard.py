@@ -184,3 +184,14 @@ def test_collector_reports_deltas(monkeypatch):
     assert second.data["counters"] == {"selected_rows": 15} and second.data["resolve_seconds"] == []
     assert second.data["gauges"]["free_pages"] == 3
     assert third.data["counters"] == {}
+
+
+def test_a_metric_path_the_summary_lacks_is_an_error_unless_it_is_a_role_section():
+    summary = {"totals": {"selected": 3}, "sources": {"a": {"free_pages": 2},
+                                                      "b": {"free_pages": 5}}}
+    assert S.read(summary, ("totals", "selected")) == 3
+    assert S.read(summary, ("sources", "*", "free_pages")) == 7
+    assert S.read(summary, ("handoff", "received")) == 0  # no P/D role in this engine
+    for typo in (("totals", "selectd"), ("sources", "*", "free_page"), ("stagng", "x")):
+        with pytest.raises(KeyError, match=typo[-1] if typo[-1] != "x" else typo[0]):
+            S.read(summary, typo)

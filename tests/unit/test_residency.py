@@ -85,6 +85,7 @@ def test_resident_first_keeps_imported_history_on_device(eager):
     assert admit(h, truth, "r0", 11)  # 5 complete pages + 1 boundary row
     verify_optional(h, "r0", [0, 1, 2, 3, 4])
     assert sorted(rec(h, "r0").tail) == [5]  # the partial boundary page is tail
+    assert h.host_only_rows("r0") == {"s": 0}
     st = h.stats()["sources"]["s"]
     if eager:
         verify_backed_rows(h, "r0", range(10))
@@ -102,6 +103,7 @@ def test_history_that_does_not_fit_goes_to_host_now():
     assert admit(h, truth, "r0", 18)  # 9 complete pages; 10 - 3 required - 1 reserve = 6 fit
     verify_optional(h, "r0", [3, 4, 5, 6, 7, 8])  # the pages nearest the tail stay
     verify_backed_rows(h, "r0", range(6))
+    assert h.host_only_rows("r0") == {"s": 6}  # pages 0..2: attention reads them from host
     assert h.sources["s"].pool.num_free == 1  # exactly the reserve (eq. 3 tight)
     verify_resolves(h, truth, "r0")
 

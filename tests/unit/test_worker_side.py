@@ -18,6 +18,7 @@ from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
 from vllm_dhisparse.integration.layers import routing as R  # noqa: E402
 from vllm_dhisparse.integration.layers import step_context  # noqa: E402
 from vllm_dhisparse.integration.worker import worker_side as WS  # noqa: E402
+from vllm_dhisparse.integration.worker.decode_policy import CudaDecode  # noqa: E402
 from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
 from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.metrics.stats import METRICS, StatsCollector  # noqa: E402
@@ -435,7 +436,7 @@ def test_short_chunks_and_prefix_hits_are_admitted_before_the_forward_on_cuda(ro
     w = make_worker()
     rec = TableRecorder()
     if routed:
-        w.decode_binding = rec
+        w.decode = CudaDecode(rec)
     w.begin_step(DHiSparseMetadata(step=1, finished={"a"}, requests=[
         RequestStep("c", 29, 1, prompt_len=30, block_ids=([13, 14], [26, 27, 28, 29]),
                     replace_blocks=True, max_tokens=10, completes_prefill=True),
@@ -468,7 +469,7 @@ def test_short_chunks_and_prefix_hits_are_admitted_before_the_forward_on_cuda(ro
 
 def test_a_request_whose_step_rows_were_lost_fails_alone():
     w = make_worker()
-    w.decode_binding = rec = TableRecorder()
+    w.decode = CudaDecode(rec := TableRecorder())
     w.begin_step(STEPS[0]["meta"])
     rec.lost = {"a"}  # the routed decode could not stage a's rows of this step
     w.end_step()
@@ -482,7 +483,7 @@ def test_on_cuda_a_decode_step_without_room_fails_that_request_alone():
     """Two request slots: "a" holds one, the prefix hit "c" takes the other, the short
     chunk "d" finds none: on CUDA it is failed before the forward and never routed."""
     w = make_worker()
-    w.decode_binding = rec = TableRecorder()
+    w.decode = CudaDecode(rec := TableRecorder())
     w.begin_step(DHiSparseMetadata(step=1, requests=[
         RequestStep("a", 40, 1, prompt_len=40, block_ids=([], []), replace_blocks=False,
                     max_tokens=40),

@@ -306,6 +306,16 @@ class KVHierarchy:
         self._require(req_id)
         return self.source(source).state.req_slot(req_id)
 
+    def host_only_rows(self, req_id: str) -> dict[str, int]:
+        """Per source, the rows of ``req_id``'s imported history that no device page holds
+        now (optional residency did not keep them): attention reads them from host."""
+        self._require(req_id)
+        out = {}
+        for name, parts in self.sources.items():
+            rec = parts.residency.request(req_id)
+            out[name] = (rec.eligible_pages - len(rec.optional)) * parts.spec.page_size
+        return out
+
     def step(self) -> None:
         """Between decode steps: complete copies, back up full tail pages, repopulate.
 

@@ -177,15 +177,23 @@ GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
 HISTOGRAMS = tuple(m for m in METRICS if m.kind == "histogram")
 
 
+ROLE_SECTIONS = ("handoff", "spec")  # summary sections only some engines have
+
+
 def read(summary: dict, path: tuple[str, ...]) -> int | float:
-    """The value at ``path`` of ``summarize()``'s dict; ``"*"`` sums over the entries of
-    that level (the sources); a part the summary lacks (no handoff role) reads 0."""
+    """The value at ``path`` of the worker's summary (worker_report.py); ``"*"`` sums over
+    the entries of that level (the sources).  A role's section the engine does not have
+    (no P/D role, no speculation) reads 0; any other missing key is a ``KeyError`` naming
+    the path, never a silent 0."""
+    if path and path[0] in ROLE_SECTIONS and path[0] not in summary:
+        return 0
     node = summary
     for i, part in enumerate(path):
         if part == "*":
             return sum(read(v, path[i + 1:]) for v in node.values())
         if not isinstance(node, dict) or part not in node:
-            return 0
+            raise KeyError(f"the worker's summary has no {'/'.join(path[:i + 1])!r} "
+                           f"(metric path {'/'.join(path)!r})")
         node = node[part]
     return node
 

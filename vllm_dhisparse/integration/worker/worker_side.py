@@ -28,6 +28,7 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 
 from ..layers import step_context
 from .admission import Admissions
+from .decode_policy import CpuDecode, CudaDecode
 from .failures import Failures
 from ..handoff.worker import HandoffWorker, LoadJob
 from ..metadata import DHiSparseMetadata
@@ -73,7 +74,7 @@ class WorkerSide(WorkerReport):
         self.failures: Failures | None = None
         self.admissions: Admissions | None = None
         self.context: StepContext | None = None
-        self.decode_binding = None  # CUDA: the routed FlashMLA decode's tables (decode_binding.py)
+        self.decode = CpuDecode()  # how the model's decode reads c4a rows (decode_policy.py)
 
     # -- set-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], kv_cache_config=None,
@@ -107,8 +108,9 @@ class WorkerSide(WorkerReport):
                                               self.failures, self.cfg.device_window_tokens)
         if self.device.type == "cuda":
             from .decode_binding import DecodeBinding
-            self.decode_binding = DecodeBinding(self.hierarchy, self.layers, kv_caches,
-                                                self.max_queries, self.fresh_rows, modules or {})
+            self.decode = CudaDecode(DecodeBinding(self.hierarchy, self.layers, kv_caches,
+                                                   self.max_queries, self.fresh_rows,
+                                                   modules or {}))
         logger.info("DHiSparse: %d sparse sources (%s), hot cache %d rows, host pool %.2f GiB",
                     len(specs), ", ".join(self.layers), specs[0].hot_cache_rows,
                     self.cfg.host_pool_gib)
@@ -140,18 +142,16 @@ class WorkerSide(WorkerReport):
                                    f"after the prefill; the hierarchy serves at most "
                                    f"{self.max_queries} (1 + speculative tokens)")
                 continue
-            # vLLM's V4 attention classes any step of <= 1 + speculative tokens as a decode
-            # (without parallel drafting on model runner V1, which adds the speculative
-            # tokens again): on CUDA the routed decode serves those, so a prompt chunk that
-            # short or a full prefix-cache hit is admitted now, before the forward, from the
-            # rows computed so far (the routed decode copies the step's own rows)
-            admit_now = req.prefill_complete or (self.decode_binding is not None and as_decode)
+            # a step of <= 1 + speculative tokens (without parallel drafting on model runner
+            # V1, which adds the speculative tokens again) is admitted now where the decode
+            # serves it from the hierarchy, from the rows computed so far (decode_policy.py)
+            admit_now = req.prefill_complete or (self.decode.admits_decode_steps and as_decode)
             with failures.isolated(req):
                 if not req.admitted and admit_now:
                     admissions.admit(req)  # or a retry: no device room at an earlier step
                 if req.admitted:
                     admissions.commit(req)
-            if self.decode_binding is not None and admit_now and not req.admitted \
+            if self.decode.admits_decode_steps and admit_now and not req.admitted \
                     and not req.failed:
                 # the routed FlashMLA decode reads no c4a row for it: fail it, never answer
                 failures.fail(req, "no room in the hierarchy (request slots, device pages or "
@@ -162,10 +162,8 @@ class WorkerSide(WorkerReport):
                 decoding.append((req, rs.num_scheduled_tokens, req.prefill_complete))
             req.prefill_complete = req.prefill_complete or rs.completes_prefill
         admissions.append_committed()
-        if self.decode_binding is not None:
-            self.decode_binding.write_tables(
-                [(req, req.num_computed_tokens + k) for req, k, _ in decoding
-                 if req.admitted and not req.failed])
+        self.decode.before_forward([(req, req.num_computed_tokens + k) for req, k, _ in decoding
+                                    if req.admitted and not req.failed])
         self.verify_queries.extend(k for req, k, after_prefill in decoding
                                    if after_prefill and req.admitted and not req.failed)
         self.context = self.context_cls(h, self.layers, self.requests, self.vllm_cache,
@@ -179,19 +177,7 @@ class WorkerSide(WorkerReport):
             return
         if self.handoff is not None:  # before admission: every block is still vLLM's
             self.handoff.capture(self.requests, self.step_req_ids)
-        if self.decode_binding is not None:
-            lost = self.decode_binding.take_counters()
-            if lost["unrouted_tokens"] or lost["fresh_rows_lost"]:
-                logger.error("DHiSparse: the routed decode served %d tokens without their c4a "
-                             "rows (a routing table out of step with vLLM's batch) and lost "
-                             "%d rows of the step that did not fit the staging rows (%s)",
-                             lost["unrouted_tokens"], lost["fresh_rows_lost"],
-                             ", ".join(sorted(lost["lost_requests"])) or "-")
-            for rid in lost["lost_requests"]:
-                req = self.requests.get(rid)
-                if req is not None and not req.failed:
-                    self.failures.fail(req, "rows its compressor wrote in this step did not "
-                                            "fit the routed decode's staging rows")
+        self.decode.after_forward(self.requests, self.failures)
         self.admissions.admit_completed_prefills(self.requests, self.step_req_ids)
         self.hierarchy.step()
         self.failures.take_hierarchy_failures()
@@ -211,10 +197,7 @@ class WorkerSide(WorkerReport):
             return False
         self.requests[req.req_id] = req
         c = self.handoff.counters
-        for name in self.layers:
-            parts = self.hierarchy.source(name)
-            rec = parts.residency.request(req.req_id)
-            host = (rec.eligible_pages - len(rec.optional)) * parts.spec.page_size
+        for name, host in self.hierarchy.host_only_rows(req.req_id).items():
             c.rows_host += host
             c.rows_device += req.rows[name] - host
         return True
