@@ -12,7 +12,7 @@ A fault is ``POINT:PREFIX``: requests whose id starts with PREFIX fail at POINT.
   rows of other positions or requests (the needle benchmark's control: retrieval must
   fail when the mapping is wrong, not only the logprobs change).
 
-Unit tests build :class:`FaultyWorkerSide` with their faults.  E2E runs select
+Unit tests build a worker half with :func:`faulty_worker_side` and their faults.  E2E runs select
 :class:`FaultInjectingConnector` (``offline_run --connector-class
 tests.fault_injection:FaultInjectingConnector``) and pass the faults in
 ``DHISPARSE_TEST_FAULTS`` (comma-separated, read in the engine's process).
@@ -112,23 +112,18 @@ def scramble(locs: torch.Tensor) -> None:
         locs.copy_(torch.where(valid, (locs + max(1, rows // 2)) % rows, locs))
 
 
-class FaultyWorkerSide(WorkerSide):
+def faulty_worker_side(*args, faults: dict, **kwargs) -> WorkerSide:
     """A worker half whose admission, commits and resolves fail where ``faults`` say."""
-
-    def __init__(self, *args, faults: dict | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        faults = dict(faults or {})
-        self.admissions_cls = functools.partial(FaultyAdmissions, faults=faults)
-        self.context_cls = functools.partial(FaultyContext, faults=faults)
+    return WorkerSide(*args, context_cls=functools.partial(FaultyContext, faults=faults),
+                      admissions_cls=functools.partial(FaultyAdmissions, faults=faults),
+                      **kwargs)
 
 
 class FaultInjectingConnector(DHiSparseConnector):
     """DHiSparseConnector whose worker half injects the faults of ``DHISPARSE_TEST_FAULTS``."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.worker_side_cls = functools.partial(FaultyWorkerSide,
-                                                 faults=parse(os.environ.get(ENV, "")))
+    def new_worker_side(self, *args, **kwargs) -> WorkerSide:
+        return faulty_worker_side(*args, faults=parse(os.environ.get(ENV, "")), **kwargs)
 
 
-__all__ = ["FaultInjectingConnector", "FaultyWorkerSide", "HostBackupError", "parse"]
+__all__ = ["FaultInjectingConnector", "HostBackupError", "faulty_worker_side", "parse"]

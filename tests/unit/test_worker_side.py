@@ -23,7 +23,7 @@ from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  
 from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.metrics.stats import METRICS, StatsCollector  # noqa: E402
 
-from tests.fault_injection import FaultyWorkerSide  # noqa: E402
+from tests.fault_injection import faulty_worker_side  # noqa: E402
 from tests.hierarchy_invariants import check_invariants  # noqa: E402
 
 # 16 and 8 tokens per vLLM block
@@ -67,7 +67,7 @@ def make_worker(max_spec_queries: int = 2, faults: dict | None = None) -> WS.Wor
                           optional_residency=False, device_window_tokens=0)
     kw = dict(max_model_len=128, max_num_seqs=2, max_spec_queries=max_spec_queries,
               device=torch.device("cpu"))
-    w = FaultyWorkerSide(cfg, LAYERS, faults=faults, **kw) if faults else \
+    w = faulty_worker_side(cfg, LAYERS, faults=faults, **kw) if faults else \
         WS.WorkerSide(cfg, LAYERS, **kw)
     g = torch.Generator().manual_seed(0)
     w.register_kv_caches({

@@ -52,7 +52,6 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P  # loaded tokens come from a prefill instance
-    worker_side_cls = WorkerSide
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig" = None):
@@ -93,11 +92,15 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                     f"not read through the hierarchy: architecture {arch!r} was not built by the "
                     f"connector's model class (supported: DeepseekV4ForCausalLM)")
         layers = find_sparse_layers(self._vllm_config, self._kv_cache_config)
-        self.dhisparse_worker = self.worker_side_cls(
+        self.dhisparse_worker = self.new_worker_side(
             self.cfg, layers, *self._worker_args, spec_sizes=self.spec_sizes,
             kv_role=self.kv_role)
         self.dhisparse_worker.register_kv_caches(
             kv_caches, self._kv_cache_config, dict(iter_sparse_modules(self._vllm_config)))
+
+    def new_worker_side(self, *args, **kwargs) -> WorkerSide:
+        """The worker half (a subclass of the connector may build it with other parts)."""
+        return WorkerSide(*args, **kwargs)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Both model runners bind before the forward; MRV2 calls start_load_kv

@@ -44,12 +44,13 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 class WorkerSide(WorkerReport):
-    context_cls = StepContext  # what begin_step binds for the routed layers
-    admissions_cls = Admissions
-
     def __init__(self, cfg: DHiSparseConfig, layers: list[SparseLayer], max_model_len: int,
                  max_num_seqs: int, max_spec_queries: int, device: torch.device,
-                 spec_sizes: dict | None = None, kv_role: str = "kv_both"):
+                 spec_sizes: dict | None = None, kv_role: str = "kv_both", *,
+                 context_cls=StepContext, admissions_cls=Admissions):
+        """``context_cls``: what begin_step binds for the routed layers; ``admissions_cls``:
+        what admits and commits rows (the tests' fault injection passes subclasses)."""
+        self.context_cls, self.admissions_cls = context_cls, admissions_cls
         self.cfg = cfg
         self.kv_role = kv_role
         self.handoff: HandoffWorker | None = None  # kv_producer / kv_consumer
