@@ -21,8 +21,8 @@ admitted at ``--tokens`` of context:
   count is HBM's; the host RAM those sessions' c4 history needs is reported next to it.
 
 Checked: the hierarchy at the count found satisfies ``check_invariants`` (every
-session's pages owned once, its tables consistent; the tests' checker,
-``tests/hierarchy_invariants.py``, read from the checkout).  Reported next to the counts:
+session's pages owned once, its tables consistent: the checker the tests use,
+``vllm_dhisparse/hierarchy/invariants.py``).  Reported next to the counts:
 ``memory_accounting.py``'s per-session bytes and the counts they predict, the device
 bytes per session measured from the allocator, and the resolver's per-session
 metadata (the ``hot_slot_of`` inverse map dominates it).
@@ -45,7 +45,7 @@ import memory_accounting as M  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vllm_dhisparse.hierarchy.hierarchy as HH  # noqa: E402
 import vllm_dhisparse.hierarchy.host_store as HS  # noqa: E402
-from tests.hierarchy_invariants import check_invariants  # noqa: E402
+from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
 
 GIB = 2**30
 SMOKE_TOKENS = 4000

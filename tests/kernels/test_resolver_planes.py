@@ -5,7 +5,7 @@ the reference backend, and the bytes read back are the rows."""
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: interpreter
 SPEC = dict(name="s", row_bytes=12, page_size=2, device_pages=24, host_rows=200, hot_cache_rows=4,

@@ -7,7 +7,7 @@ import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from tests.hierarchy_faults import fail_next_backup
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 
 SOURCES = [dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=500, hot_cache_rows=3,
                 tail_pages=2, max_req_slots=5, max_rows=80),

@@ -5,7 +5,7 @@ import torch
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.host_store import HostBackupError
 from tests.hierarchy_faults import fail_next_backup
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 
 SOURCES = [
     dict(name="a", row_bytes=3, page_size=2, device_pages=40, host_rows=200, hot_cache_rows=3,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 from vllm_dhisparse.hierarchy.reclaim_policies import RECLAIM_POLICIES
 
 # Small odd widths and page sizes; device pools small enough that admissions reclaim.

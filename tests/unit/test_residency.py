@@ -6,7 +6,7 @@ import torch
 from vllm_dhisparse.triton_kernels.reference import COUNTER_DIRECT, COUNTER_FETCHED, NUM_COUNTERS
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from tests.hierarchy_faults import fail_next_backup
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 
 PS, W, B = 2, 3, 3  # page size, row bytes, hot rows (2 pages)
 

@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vllm_dhisparse.triton_kernels.reference import (COUNTER_DIRECT, COUNTER_FETCHED, COUNTER_HOST,
                                                      COUNTER_HOT, COUNTER_INVALID)
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 
 PS, W, B = 3, 5, 4
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
-from tests.hierarchy_invariants import check_invariants
+from vllm_dhisparse.hierarchy.invariants import check_invariants
 from vllm_dhisparse.hierarchy.specs import SourceSpec
 
 PS, W, B = 3, 5, 4

@@ -24,7 +24,7 @@ from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E
 from vllm_dhisparse.integration.metrics.stats import METRICS, StatsCollector  # noqa: E402
 
 from tests.fault_injection import faulty_worker_side  # noqa: E402
-from tests.hierarchy_invariants import check_invariants  # noqa: E402
+from vllm_dhisparse.hierarchy.invariants import check_invariants  # noqa: E402
 
 # 16 and 8 tokens per vLLM block
 LAYERS = [SparseLayer("l0", compress_ratio=4, top_k=4, row_bytes=6, rows_per_block=4, group=0,

@@ -1,4 +1,5 @@
-"""check_invariants: the hierarchy's safety properties, checked from the outside (tests).
+"""check_invariants: the hierarchy's safety properties, checked from the outside (tests, the
+sessions benchmark).
 
 (a) Every row below ``seq_len`` of every admitted request and source is ready
     on device (its page published in the direct map) or has a complete host
@@ -26,7 +27,7 @@ from typing import Mapping
 
 import torch
 
-from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
+from .hierarchy import KVHierarchy
 
 
 def _first(mask: torch.Tensor) -> int:
