@@ -39,6 +39,7 @@ from .device_pool import DevicePagePool
 from .host_store import HostBackupError, HostStore
 from .reclaim_policies import get_reclaim_policy, select_victims
 from .request_pages import PendingPage, RequestPages, ResidencyCounters
+from .sizing import hot_cache_pages, required_pages
 from .source_state import SourceState
 from .tail import TailWriter
 from .transfers import Transfer
@@ -74,9 +75,9 @@ class ResidencyManager:
         ps = pool.page_size
         self.source, self.pool, self.host = source, pool, host
         self.page_size = ps
-        self.hot_pages = -(-source.hot_cache_rows // ps)
+        self.hot_pages = hot_cache_pages(source.hot_cache_rows, ps)
         self.tail_pages = tail_pages
-        self.required_per_request = self.hot_pages + tail_pages
+        self.required_per_request = required_pages(source.hot_cache_rows, ps, tail_pages)
         self.reserve = reserve_pages
         if self.required_per_request + reserve_pages > pool.num_pages:
             raise ValueError(

@@ -40,6 +40,16 @@ def page_rows(rows: int, page_size: int) -> int:
     return ceil_div(rows, page_size) * page_size
 
 
+def hot_cache_pages(hot_cache_rows: int, page_size: int) -> int:
+    return ceil_div(hot_cache_rows, page_size)
+
+
+def required_pages(hot_cache_rows: int, page_size: int, tail_pages: int) -> int:
+    """M_req of one request (eq. 3): its hot cache's pages and its tail pages, held from
+    admission to release; the pool sizing and the residency manager both count this."""
+    return hot_cache_pages(hot_cache_rows, page_size) + tail_pages
+
+
 def draft_ring_rows(window: int, page_size: int, k_max: int) -> int:
     """R_d (eq. 9): draft-KV rows a request holds at most, in whole pages."""
     return page_rows(window + page_size - 1 + k_max, page_size)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from vllm_dhisparse.config import DHiSparseConfig
-from vllm_dhisparse.hierarchy.sizing import staging_bytes
+from vllm_dhisparse.hierarchy.sizing import hot_cache_pages, required_pages, staging_bytes
 from vllm_dhisparse.hierarchy.specs import SourceSpec, StagingSpec, device_bytes
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
@@ -77,7 +77,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
         fresh = -(-max_queries // layer.compress_ratio) + 1
         overflow = max(0, max_queries * layer.top_k - hot)
         page = layer.rows_per_block
-        per_req_pages = -(-hot // page) + cfg.tail_pages
+        per_req_pages = required_pages(hot, page, cfg.tail_pages)
         host_rows = int(cfg.host_pool_gib * GIB) // (layer.row_bytes * len(layers))
         if host_rows < layer_rows:
             raise ValueError(
@@ -91,7 +91,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
                 f"running request's history must fit the host pool ({max_num_seqs} x "
                 f"{layer_rows} rows); raise host_pool_gib or lower max_num_seqs")
         floor = max_num_seqs * per_req_pages + cfg.admission_reserve_pages
-        device_pages = cfg.device_pool_pages or floor + max_num_seqs * -(-hot // page)
+        device_pages = cfg.device_pool_pages or floor + max_num_seqs * hot_cache_pages(hot, page)
         if device_pages < floor:
             raise ValueError(
                 f"kv_connector_extra_config['device_pool_pages'] = {device_pages} is below what "
