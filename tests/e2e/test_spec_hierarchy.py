@@ -118,7 +118,7 @@ def test_draft_ring_bounds_every_decode_step_and_prefill_without_prefix_caching(
     in 2048-token chunks (vLLM's window holds 9 blocks then, 28 in a one-step prefill:
     results/spec_memory.json).  With prefix
     caching a prefill step holds what vLLM's window holds, the blocks a later hit needs
-    (integration/engine_core/draft_ring.py).  The sizes are published in the stats."""
+    (integration/draft_ring.py).  The sizes are published in the stats."""
     run = arms[arm]
     s = run["stats"]["spec"]
     assert s["preset"] == preset and s["k_max"] == K + 1, s

@@ -11,7 +11,7 @@ from vllm_dhisparse.flashmla import layout as L  # noqa: E402
 from vllm_dhisparse.flashmla import routing as R  # noqa: E402
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy  # noqa: E402
 from vllm_dhisparse.integration.worker.decode_binding import DecodeBinding  # noqa: E402
-from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.layers.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.worker.requests import TrackedRequest  # noqa: E402
 
 

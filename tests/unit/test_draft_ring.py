@@ -9,7 +9,7 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 from vllm_dhisparse.hierarchy.sizing import draft_ring_rows  # noqa: E402
-from vllm_dhisparse.integration.engine_core.draft_ring import (DraftRingManager, DraftRingSpec,  # noqa: E402
+from vllm_dhisparse.integration.draft_ring import (DraftRingManager, DraftRingSpec,  # noqa: E402
                                                    ring_block_size, ring_specs)
 
 

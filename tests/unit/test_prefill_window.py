@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dhisparse.integration.engine_core.kv_spec import DHiSparseWindowManager
+from vllm_dhisparse.integration.kv_spec import DHiSparseWindowManager
 from vllm_dhisparse.integration.engine_core.scheduler_side import SchedulerSide
 
 

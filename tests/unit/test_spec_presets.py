@@ -59,7 +59,7 @@ def test_engine_sizes_with_a_windowed_drafter():
     assert ring["draft_ring_rows"] == draft_ring_rows(128, 256, 4) == 512  # eq. 9
     assert ring["draft_ring_blocks"] == 2
     assert sizes["draft_ring_bounds_prefill"]
-    # prefix caching needs the prefill's draft blocks (integration/engine_core/draft_ring.py)
+    # prefix caching needs the prefill's draft blocks (integration/draft_ring.py)
     cached = check_engine(engine("dflash", "DFlash2DraftModel", hf=hf, prefix_caching=True), "")
     assert not cached["draft_ring_bounds_prefill"]
     assert check_engine(engine(), "") is None  # no speculation, nothing to size

@@ -1,12 +1,12 @@
-"""Rows read out of vLLM's c4a blocks (integration/worker/vllm_cache.py) against the block layout
+"""Rows read out of vLLM's c4a blocks (integration/layers/vllm_cache.py) against the block layout
 written out by hand: ``[rows x 576 B data][rows x 8 B scales][padding]`` per block."""
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
-from vllm_dhisparse.integration.worker.vllm_cache import VllmC4aCaches  # noqa: E402
+from vllm_dhisparse.integration.layers.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.layers.vllm_cache import VllmC4aCaches  # noqa: E402
 
 ROWS_PER_BLOCK, PLANES, PAD = 4, (576, 8), 32
 

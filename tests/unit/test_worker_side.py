@@ -20,7 +20,7 @@ from vllm_dhisparse.integration.layers import step_context  # noqa: E402
 from vllm_dhisparse.integration.worker import worker_side as WS  # noqa: E402
 from vllm_dhisparse.integration.worker.decode_policy import CudaDecode  # noqa: E402
 from vllm_dhisparse.integration.metadata import DHiSparseMetadata, RequestStep  # noqa: E402
-from vllm_dhisparse.integration.worker.model_probe import SparseLayer  # noqa: E402
+from vllm_dhisparse.integration.layers.model_probe import SparseLayer  # noqa: E402
 from vllm_dhisparse.integration.metrics.stats import METRICS, StatsCollector  # noqa: E402
 
 from tests.fault_injection import faulty_worker_side  # noqa: E402

@@ -175,7 +175,8 @@ def test_every_extension_point_applies_against_vllm_033(on_cuda):
     """The glue's start-up checks against 0.33's classes, with the CUDA worker as the
     worker's base: what a GPU engine of 0.33 would run them against."""
     from vllm_dhisparse.integration import extension_points as ep
-    from vllm_dhisparse.integration.engine_core import draft_ring, kv_spec, scheduler
+    from vllm_dhisparse.integration import draft_ring, kv_spec
+    from vllm_dhisparse.integration.engine_core import scheduler
     from vllm_dhisparse.integration.worker import worker
     for piece, step in ep.REGISTRATIONS.items():
         step()

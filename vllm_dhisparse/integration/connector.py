@@ -28,11 +28,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.spec import check_engine, ring_sizes
 
-from .engine_core.draft_ring import ring_block_size
+from .draft_ring import ring_block_size
 from .extension_points import require
 from .handoff.scheduler import HandoffScheduler
 from .metadata import DHiSparseHandshake, DHiSparseMetadata, DHiSparseWorkerMetadata
-from .worker.model_probe import find_sparse_layers, iter_sparse_modules, require_sparse_indexer
+from .layers.model_probe import find_sparse_layers, iter_sparse_modules, require_sparse_indexer
 from .worker.pool_sizing import max_queries
 from .engine_core.scheduler_side import SchedulerSide
 from .metrics.stats import DHiSparseConnectorStats, DHiSparsePromMetrics

@@ -3,7 +3,7 @@
 | piece | vLLM's extension point | module |
 | --- | --- | --- |
 | connector | ``KVConnectorFactory.register_connector`` (short name) | connector.py |
-| KV cache specs | ``KVCacheSpecRegistry.register`` (c4a window, draft ring) | engine_core/ |
+| KV cache specs | ``KVCacheSpecRegistry.register`` (c4a window, draft ring) | kv_spec.py, draft_ring.py |
 | model | ``ModelRegistry.register_model("DeepseekV4ForCausalLM", ...)`` | layers/model.py |
 | scheduler | ``scheduler_cls`` (finishes failed requests) | engine_core/scheduler.py |
 | worker | ``worker_cls`` (KV budget, draft ring specs) | worker/worker.py |
@@ -56,9 +56,9 @@ def _connector() -> None:
 def _kv_cache_specs() -> None:
     from vllm_dhisparse.compat import kv_spec_registry
 
-    from .engine_core import draft_ring, kv_spec
-    from .engine_core.draft_ring import DraftRingManager, DraftRingSpec
-    from .engine_core.kv_spec import DHiSparseCompressedSpec, DHiSparseWindowManager
+    from . import draft_ring, kv_spec
+    from .draft_ring import DraftRingManager, DraftRingSpec
+    from .kv_spec import DHiSparseCompressedSpec, DHiSparseWindowManager
     kv_spec.check()
     draft_ring.check()
     kv_spec_registry.register(DHiSparseCompressedSpec, DHiSparseWindowManager)

@@ -28,7 +28,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_dhisparse.compat.targets import expect, fail
 
-from .kv_spec import DHiSparseWindowManager
+from ..kv_spec import DHiSparseWindowManager
 from ..metadata import DHiSparseWorkerMetadata
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level

@@ -22,7 +22,7 @@ import numpy as np
 
 from vllm.logger import init_logger
 
-from ..engine_core.kv_spec import DHiSparseCompressedSpec
+from ..kv_spec import DHiSparseCompressedSpec
 from ..metadata import LoadItem
 
 if TYPE_CHECKING:

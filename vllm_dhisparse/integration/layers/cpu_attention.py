@@ -26,7 +26,7 @@ from vllm.models.deepseek_v4.cpu.cpu_utils import map_local_to_global_slots_cpu
 
 from vllm_dhisparse.compat.targets import expect
 
-from ..engine_core import kv_spec
+from .. import kv_spec
 from . import step_context
 
 UPSTREAM = "vllm.models.deepseek_v4.cpu.cpu_sparse:DeepseekV4CPUAttention"

@@ -25,7 +25,7 @@ from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
 from vllm_dhisparse.compat.targets import expect
 from vllm_dhisparse.flashmla.decode import RoutedDecode
 
-from ..engine_core import kv_spec
+from .. import kv_spec
 
 UPSTREAM = "vllm.models.deepseek_v4.nvidia.flashmla:DeepseekV4FlashMLAAttention"
 

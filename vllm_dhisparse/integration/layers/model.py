@@ -20,7 +20,7 @@ from vllm.platforms import current_platform
 
 from vllm_dhisparse.compat.targets import expect, fail
 
-from ..worker.model_probe import is_sparse_layer
+from .model_probe import is_sparse_layer
 from ..support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level

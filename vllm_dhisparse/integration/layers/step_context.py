@@ -25,10 +25,10 @@ from vllm.logger import init_logger
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
-from ..worker.failures import Failures
-from ..worker.model_probe import SparseLayer
+from .failures import Failures
+from .model_probe import SparseLayer
 from .routing import RoutingPlan, StepRouting
-from ..worker.vllm_cache import VllmC4aCaches
+from .vllm_cache import VllmC4aCaches
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 

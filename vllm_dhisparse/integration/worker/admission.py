@@ -17,10 +17,10 @@ from vllm.logger import init_logger
 
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
-from .failures import Failures
-from .model_probe import SparseLayer
+from ..layers.failures import Failures
+from ..layers.model_probe import SparseLayer
 from .requests import TrackedRequest
-from .vllm_cache import VllmC4aCaches
+from ..layers.vllm_cache import VllmC4aCaches
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 

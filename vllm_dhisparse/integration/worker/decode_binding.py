@@ -21,7 +21,7 @@ from vllm_dhisparse.flashmla import decode as D
 from vllm_dhisparse.flashmla import routing as R
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 
-from .model_probe import SparseLayer
+from ..layers.model_probe import SparseLayer
 from .requests import TrackedRequest
 
 LOOKAHEAD_BLOCKS = 1  # blocks after the newest token's that map to the request too

@@ -21,9 +21,9 @@ from vllm.platforms import current_platform
 
 from vllm_dhisparse.compat.targets import expect
 
-from ..engine_core import draft_ring
+from .. import draft_ring
 from . import pool_sizing
-from .model_probe import find_sparse_layers
+from ..layers.model_probe import find_sparse_layers
 from ..support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level

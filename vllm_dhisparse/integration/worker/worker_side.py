@@ -29,16 +29,16 @@ from vllm_dhisparse.hierarchy.specs import ResidencyConfig
 from ..layers import step_context
 from .admission import Admissions
 from .decode_policy import CpuDecode, CudaDecode
-from .failures import Failures
+from ..layers.failures import Failures
 from ..handoff.worker import HandoffWorker, LoadJob
 from ..metadata import DHiSparseMetadata
-from .model_probe import SparseLayer
+from ..layers.model_probe import SparseLayer
 from .pool_sizing import device_pool_bytes, plan_sources, plan_staging, staging_sizes
 from .requests import RequestTable, TrackedRequest
 from ..metrics.stats import StatsCollector, write_json_atomic
 from .worker_report import WorkerReport
 from ..layers.step_context import ServedCounters, StepContext
-from .vllm_cache import VllmC4aCaches
+from ..layers.vllm_cache import VllmC4aCaches
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 

@@ -225,6 +225,6 @@ def _draft_sizes(vllm_config) -> dict | None:
     """spec.check_engine's sizes when DHiSparseConnector runs a DSpark / DFlash2 drafter."""
     from vllm_dhisparse.spec import check_engine
 
-    from ..support import connector_config
+    from .support import connector_config
     cfg = connector_config(vllm_config)
     return None if cfg is None else check_engine(vllm_config, cfg.spec)

@@ -145,6 +145,6 @@ def windowed(spec, vllm_config):
 
 def _window_from_config(vllm_config) -> int:
     """device_window_tokens when DHiSparseConnector is configured, else 0."""
-    from ..support import connector_config
+    from .support import connector_config
     cfg = connector_config(vllm_config)
     return 0 if cfg is None else cfg.device_window_tokens
