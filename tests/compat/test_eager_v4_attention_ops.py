@@ -1,6 +1,6 @@
 """Eager DeepSeek-V4 attention/indexer/compressor ops vs float64 references.
 
-The ops live in ``vllm_dhisparse/compat/eager_v4/{attention_ops,indexer_ops}.py``;
+The ops live in ``vllm_dhisparse/eager_v4/{attention_ops,indexer_ops}.py``;
 references here are written straight from each op's documented math.  Where the
 loaded vLLM library has the ops (x86: the AVX-512 + BF16 build), the registry test
 compares vLLM's kernels with ours; elsewhere it checks that ours serve them.
@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vllm_dhisparse.compat.eager_v4 import _common as C  # noqa: E402
-from vllm_dhisparse.compat.eager_v4 import attention_ops as A  # noqa: E402
-from vllm_dhisparse.compat.eager_v4 import indexer_ops as I  # noqa: E402
+from vllm_dhisparse.eager_v4 import _common as C  # noqa: E402
+from vllm_dhisparse.eager_v4 import attention_ops as A  # noqa: E402
+from vllm_dhisparse.eager_v4 import indexer_ops as I  # noqa: E402
 
 MY_OPS = [
     "flash_mla_with_kvcache_cpu", "fused_qnorm_rope_kv_insert_cpu",
@@ -69,7 +69,7 @@ def vllm_provides_v4_ops():
     """Loads vLLM's platform library first, as ``apply_cpu_compat`` does (ours must
     not define an op it defines), then ours; whether that library has the ops."""
     pytest.importorskip("vllm._custom_ops")
-    from vllm_dhisparse.compat.eager_v4 import register_missing_ops
+    from vllm_dhisparse.eager_v4 import register_missing_ops
 
     ours = set(register_missing_ops())
     from_vllm = set(MY_OPS) - ours

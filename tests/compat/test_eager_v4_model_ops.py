@@ -1,4 +1,4 @@
-"""Eager DeepSeek-V4 model-level ops (vllm_dhisparse/compat/eager_v4/model_ops.py)
+"""Eager DeepSeek-V4 model-level ops (vllm_dhisparse/eager_v4/model_ops.py)
 against float64 references written here from the ops' documented math, plus
 registration under torch.ops._C: vLLM's kernels where the loaded library has them
 (x86: the AVX-512 + BF16 build), compared with ours; ours everywhere else."""
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vllm_dhisparse.compat.eager_v4 import model_ops as mo  # noqa: E402
+from vllm_dhisparse.eager_v4 import model_ops as mo  # noqa: E402
 
 F64 = torch.float64
 
@@ -294,10 +294,10 @@ def test_mhc_cpu_wrappers_round_trip():
 
 
 def _register_or_skip():
-    from vllm_dhisparse.compat import eager_v4
+    from vllm_dhisparse import eager_v4
 
     try:
-        import vllm_dhisparse.compat.eager_v4.attention_ops  # noqa: F401
+        import vllm_dhisparse.eager_v4.attention_ops  # noqa: F401
     except ImportError:
         pytest.skip("eager_v4.attention_ops not written yet")
     # Load the platform library first, as vLLM does, so only missing ops get ours.
@@ -355,7 +355,7 @@ def test_registered_under_torch_ops_C():
 def test_schema_and_fake_kernels_opcheck():
     """Declared mutations match what the ops do, and FAKES give the real shapes
     (what torch.compile needs to trace the model through these ops)."""
-    from vllm_dhisparse.compat import eager_v4
+    from vllm_dhisparse import eager_v4
 
     _register_or_skip()
     g = _gen(17)

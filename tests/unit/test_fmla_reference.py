@@ -5,7 +5,7 @@ changes nothing; a wrong index changes the output."""
 import pytest
 import torch
 
-from vllm_dhisparse.compat.eager_v4._common import store_ds_mla_rows
+from vllm_dhisparse.eager_v4._common import store_ds_mla_rows
 from vllm_dhisparse.flashmla import layout as L
 from vllm_dhisparse.flashmla.reference import sparse_decode
 

@@ -2,10 +2,10 @@
 imports count: they tie the modules as much as the others), and no import from a lower
 layer to a higher one.
 
-Layers, low to high: the core (Triton kernels, then the hierarchy; torch only), the pieces
-built on it (speculation presets, the config, the CPU shims), the FlashMLA routing, vLLM's
-glue (``integration``), then what users run (engine arguments, the demo, Ray P/D, the
-tools and the CLI)."""
+Layers, low to high: the core (Triton kernels and the eager DeepSeek-V4 CPU ops, then the
+hierarchy; torch only), the pieces built on it (speculation presets, the config, the CPU
+shims), the FlashMLA routing, vLLM's glue (``integration``), then what users run (engine
+arguments, the demo, Ray P/D, the tools and the CLI)."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +14,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PKG = "vllm_dhisparse"
 LAYERS = [
-    ("triton_kernels",),
+    ("triton_kernels", "eager_v4"),
     ("hierarchy",),
     ("spec", "config", "compat"),
     ("flashmla",),

