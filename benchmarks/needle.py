@@ -4,7 +4,7 @@ ablation of the indexer's top-k.
 
     python benchmarks/needle.py --out benchmarks/results/needle --ablation
 
-Prompts: scripts/needle_data.py (a five-digit pass key and three distractor keys in filler
+Prompts: vllm_dhisparse/needle.py (a five-digit pass key and three distractor keys in filler
 text, the question at the end), ``--per-cell`` prompts for every ``--lengths`` x ``--depths``
 cell, each from its own seed.  A prompt is answered when the greedy tokens are the answer's
 tokens (the digits and the full stop).
@@ -45,8 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-import needle_data  # noqa: E402
+from vllm_dhisparse import needle as needle_data  # noqa: E402
 
 from benchmarks.common import metadata, new_figure  # noqa: E402
 

@@ -34,6 +34,9 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from vllm_dhisparse.needle import training_corpus  # noqa: E402  (the package, installed or not)
+
 VOCAB = 512
 BUILD_VERSION = 2  # bump when anything below changes the output
 
@@ -90,23 +93,6 @@ CONFIG = {
     "pad_token_id": 2,
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
-
-
-def training_corpus() -> list[str]:
-    """Fixed English text shipped with CPython 3.11 (no downloads)."""
-    import codecs
-    import collections
-    import contextlib
-    import io
-    import json as json_mod
-    import re
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this  # noqa: F401  (prints the Zen on import; text is in this.s)
-
-    zen = codecs.decode(sys.modules["this"].s, "rot13")
-    docs = [zen] + [m.__doc__ or "" for m in (collections, json_mod, re, argparse, os)]
-    return [line for doc in docs for line in doc.splitlines() if line.strip()]
 
 
 def build_tokenizer(out: str) -> None:

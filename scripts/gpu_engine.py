@@ -22,7 +22,7 @@ Writes ``OUT/gpu_engine.json`` (the model's checked SHA-256s, the engine setting
 the device, date, commit, vLLM / torch versions; an arm run later into the same OUT with
 the same model and settings joins it) and ``OUT/<arm>.log``.  ``--prompt-json`` gives the pass-key
 prompt as token ids (``{"ids": [...], "answer": " 12345.", "answer_ids": [...]}``); without it
-the prompt is built here (scripts/needle_data.py, the demo's seed; its filler text comes from
+the prompt is built here (vllm_dhisparse/needle.py, the demo's seed; its filler text comes from
 this Python's standard-library docstrings, so another Python builds another prompt:
 ``--write-prompt FILE`` here makes ``make demo``'s prompt for a GPU machine's other Python).
 """

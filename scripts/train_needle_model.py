@@ -6,7 +6,7 @@
 The model is the demo model's architecture (scripts/build_demo_model.py: 3 layers,
 c4a / c128a / c4a, sliding window 128, index top-k 512), trained from its seeded
 weights in HF transformers' DeepseekV4ForCausalLM (eager attention, float32).  Data:
-scripts/needle_data.py, a passkey sentence and distractors of the same shape at random
+vllm_dhisparse/needle.py, a passkey sentence and distractors of the same shape at random
 depths, the question at the end.  Loss: cross-entropy of the answer's tokens, a little
 language-model loss on the rest, and the Lightning Indexer's KL loss -- HF gives the
 indexer no gradient (its top-k only masks), so, as DeepSeek's sparse attention does,
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-import needle_data  # noqa: E402
+sys.path.insert(0, ROOT)
+from vllm_dhisparse import needle as needle_data  # noqa: E402  (the package, installed or not)
 
 
 class IndexerKL:

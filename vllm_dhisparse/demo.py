@@ -5,7 +5,7 @@
 
 Steps, each announced: check the trained tiny DeepSeek-V4 in ``models/needle_v4``
 against its SHA256SUMS (no downloads); build a prompt of about 7,200 tokens that hides a five-digit
-pass key among distractor keys (scripts/needle_data.py) and asks for it at the end;
+pass key among distractor keys (vllm_dhisparse/needle.py) and asks for it at the end;
 start vLLM's OpenAI-compatible server on 127.0.0.1 without the connector (RESIDENT
 serving), send the prompt as one greedy ``/v1/completions`` request with logprobs, stop
 it; start the same server with ``DHiSparseConnector``, send the same request, stop it;
@@ -76,12 +76,12 @@ def verified_model(path: str = TRAINED) -> str:
 
 
 def passkey_prompt(model: str, tokens: int):
-    """scripts/needle_data.py's prompt of about ``tokens`` tokens (the demo's seed)."""
+    """needle.py's prompt of about ``tokens`` tokens (the demo's seed)."""
     import random
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import needle_data
-    return needle_data.make(needle_data.tokenizer(model), tokens, random.Random(NEEDLE_SEED),
-                            depth=NEEDLE_DEPTH)
+
+    from vllm_dhisparse import needle
+    return needle.make(needle.tokenizer(model), tokens, random.Random(NEEDLE_SEED),
+                       depth=NEEDLE_DEPTH)
 
 
 def server_command(model: str, port: int, extra: dict | None, max_model_len: int) -> list[str]:

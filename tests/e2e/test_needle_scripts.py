@@ -1,4 +1,4 @@
-"""The trained demo model's tooling on CPU (scripts/needle_data.py, train_needle_model.py,
+"""The trained demo model's tooling on CPU (vllm_dhisparse/needle.py, train_needle_model.py,
 convert_needle_model.py): prompts as specified, the indexer's KL loss trains the indexer
 alone, and an HF checkpoint converts back to vLLM's names and dtypes bit for bit."""
 import random
@@ -13,7 +13,8 @@ import torch
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import convert_needle_model as C  # noqa: E402
-import needle_data as N  # noqa: E402
+
+from vllm_dhisparse import needle as N  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

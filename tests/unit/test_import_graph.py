@@ -4,8 +4,8 @@ layer to a higher one.
 
 Layers, low to high: the core (Triton kernels and the eager DeepSeek-V4 CPU ops, then the
 hierarchy; torch only), the pieces built on it (speculation presets, the config, the CPU
-shims), the FlashMLA routing, vLLM's glue (``integration``), then what users run (engine
-arguments, the demo, Ray P/D, the tools and the CLI)."""
+shims, the passkey prompts), the FlashMLA routing, vLLM's glue (``integration``), then what
+users run (engine arguments, the demo, Ray P/D, the tools and the CLI)."""
 from __future__ import annotations
 
 import ast
@@ -16,7 +16,7 @@ PKG = "vllm_dhisparse"
 LAYERS = [
     ("triton_kernels", "eager_v4"),
     ("hierarchy",),
-    ("spec", "config", "compat"),
+    ("spec", "config", "compat", "needle"),
     ("flashmla",),
     ("integration",),
     ("engine_args",),

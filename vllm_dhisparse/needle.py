@@ -10,7 +10,7 @@ code is 83506.``) elsewhere, and the question at the end::
 whose answer is the digits and a full stop.  Everything is drawn from one seed, and the
 text is tokenized whole, as a server tokenizes it.
 
-    python scripts/needle_data.py --tokens 7000 --seed 3     (prints one prompt's summary)
+    python -m vllm_dhisparse.needle --model demo_model --tokens 7000 --seed 3   (a summary)
 """
 from __future__ import annotations
 
@@ -19,10 +19,6 @@ import os
 import random
 import sys
 from dataclasses import dataclass
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from build_demo_model import training_corpus  # noqa: E402
 
 KEY = "pass key"
 DISTRACTOR_LABELS = ("door code", "room number", "lock code", "ticket number", "box number")
@@ -38,6 +34,24 @@ class Prompt:
     answer_ids: list[int]  # the answer's tokens (tokenized after the prompt)
     needle_token: int  # token index where the passkey sentence starts
     depth: float  # its place in the filler, 0 = start, 1 = end
+
+
+def training_corpus() -> list[str]:
+    """Fixed English text shipped with CPython 3.11 (no downloads): the demo tokenizer's
+    training corpus (scripts/build_demo_model.py) and the prompts' filler."""
+    import codecs
+    import collections
+    import contextlib
+    import io
+    import json as json_mod
+    import re
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # noqa: F401  (prints the Zen on import; text is in this.s)
+
+    zen = codecs.decode(sys.modules["this"].s, "rot13")
+    docs = [zen] + [m.__doc__ or "" for m in (collections, json_mod, re, argparse, os)]
+    return [line for doc in docs for line in doc.splitlines() if line.strip()]
 
 
 def code(rng: random.Random) -> str:
@@ -82,7 +96,7 @@ def tokenizer(model_dir: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=os.path.join(os.path.dirname(HERE), "demo_model"))
+    ap.add_argument("--model", default="demo_model")
     ap.add_argument("--tokens", type=int, default=7000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--depth", type=float, default=None)
