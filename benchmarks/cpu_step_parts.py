@@ -45,7 +45,8 @@ PARTS = [
     ("vllm_dhisparse.integration.worker.worker_side", "WorkerSide", "begin_step"),
     ("vllm_dhisparse.integration.worker.worker_side", "WorkerSide", "end_step"),
     ("vllm_dhisparse.integration.worker.worker_side", "WorkerSide", "get_kv_connector_stats"),
-    ("vllm_dhisparse.integration.engine_core.scheduler_side", "SchedulerSide", "build_connector_meta"),
+    ("vllm_dhisparse.integration.engine_core.scheduler_side", "SchedulerSide",
+     "build_connector_meta"),
     ("vllm_dhisparse.integration.layers.step_context", "StepContext", "plan"),
     ("vllm_dhisparse.integration.layers.step_context", "StepContext", "resolve"),
     ("vllm_dhisparse.hierarchy.hierarchy", "KVHierarchy", "resolve"),
@@ -54,8 +55,8 @@ PARTS = [
 ATTENTION = [  # split by layer kind and prefill / decode
     ("vllm.models.deepseek_v4.cpu.cpu_sparse", "DeepseekV4CPUAttention", "forward_mqa",
      "upstream attention"),
-    ("vllm_dhisparse.integration.layers.cpu_attention", "RoutedDeepseekV4CPUAttention", "forward_mqa",
-     "routed attention"),
+    ("vllm_dhisparse.integration.layers.cpu_attention", "RoutedDeepseekV4CPUAttention",
+     "forward_mqa", "routed attention"),
 ]
 
 

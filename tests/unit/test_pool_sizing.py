@@ -4,8 +4,8 @@ import pytest
 pytest.importorskip("vllm", reason="pool_sizing logs through vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
-from vllm_dhisparse.integration.worker.pool_sizing import (LayerShape, device_pool_bytes,  # noqa: E402
-                                                    plan_sources, plan_staging, staging_sizes)
+from vllm_dhisparse.integration.worker.pool_sizing import (  # noqa: E402
+    LayerShape, device_pool_bytes, plan_sources, plan_staging, staging_sizes)
 
 LAYER = LayerShape("l0", compress_ratio=4, top_k=512, row_bytes=584, rows_per_block=64,
                    plane_bytes=(576, 8))

@@ -1,2 +1,2 @@
-"""Code that runs in vLLM's engine-core process: the scheduler class, the connector's
-scheduler half, and the KV cache specs' block managers (c4a window, draft ring)."""
+"""Code that runs in vLLM's engine-core process: the scheduler class and the connector's
+scheduler half (the c4a window managers it feeds live in ``kv_spec.py``)."""

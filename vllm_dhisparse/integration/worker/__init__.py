@@ -1,2 +1,2 @@
 """Code that runs in vLLM's worker process around the forward: the worker class, the
-connector's worker half (it owns the hierarchy), admission, failures, pool sizing."""
+connector's worker half (it owns the hierarchy), admission, pool sizing, the decode policy."""

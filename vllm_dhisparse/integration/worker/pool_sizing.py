@@ -148,7 +148,8 @@ def max_queries(vllm_config) -> int:
 def budget_layers(vllm_config) -> list[LayerShape]:
     """The sparse layers of the loaded model, before vLLM's KV cache config exists:
     c4a blocks hold ``block_size`` tokens, ``block_size / 4`` rows."""
-    from ..layers.model_probe import FP8_DS_MLA_PLANE_BYTES, FP8_DS_MLA_ROW_BYTES, iter_sparse_modules
+    from ..layers.model_probe import (FP8_DS_MLA_PLANE_BYTES, FP8_DS_MLA_ROW_BYTES,
+                                      iter_sparse_modules)
     block = vllm_config.cache_config.block_size
     return [LayerShape(name, module.compress_ratio, int(module.topk_indices_buffer.shape[1]),
                        FP8_DS_MLA_ROW_BYTES, block // module.compress_ratio, FP8_DS_MLA_PLANE_BYTES)
