@@ -20,10 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("avx2", "avx512", "amx")
-EMULATION = {  # level -> (sitecustomize folder, environment)
-    "avx512": ("isa_no_amx", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}),
-    "avx2": ("isa_avx2", {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}),
-}
+EMULATION = {"avx512": "isa_no_amx", "avx2": "isa_avx2"}  # level -> its sitecustomize folder
 
 
 def native() -> str:
@@ -53,13 +50,13 @@ def session_level() -> str:
 
 
 def env(level: str, base: dict | None = None) -> dict:
-    """Environment variables that make a child Python process run at ``level``."""
+    """Environment variables that make a child Python process run at ``level``: its
+    sitecustomize first on the path (it sets the level's caps before torch loads)."""
     base = os.environ if base is None else base
     if level == native() or level not in EMULATION:
         return {}
-    folder, extra = EMULATION[level]
-    path = os.pathsep.join(filter(None, [str(ROOT / "tests" / folder), base.get("PYTHONPATH")]))
-    return {**extra, "PYTHONPATH": path}
+    folder = str(ROOT / "tests" / EMULATION[level])
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [folder, base.get("PYTHONPATH")]))}
 
 
 def emulate_here(level: str) -> None:
@@ -69,7 +66,7 @@ def emulate_here(level: str) -> None:
     if not overrides:
         return
     os.environ.update(overrides)
-    runpy.run_path(str(ROOT / "tests" / EMULATION[level][0] / "sitecustomize.py"))
+    runpy.run_path(str(ROOT / "tests" / EMULATION[level] / "sitecustomize.py"))
 
 
 def others() -> list[str]:

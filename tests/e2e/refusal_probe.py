@@ -25,19 +25,22 @@ class OtherPlatform:
         return getattr(self._real, name)
 
 
+def vllm_config(model: str, **engine):
+    return EngineArgs(model=model, enforce_eager=True, block_size=256, max_model_len=4096,
+                      **engine).create_engine_config()
+
+
 def engine_config(model: str, extra: dict, classes: bool = True):
     kw = engine_args(extra)
     if not classes:
         del kw["scheduler_cls"], kw["worker_cls"]
-    return EngineArgs(model=model, enforce_eager=True, block_size=256, max_model_len=4096,
-                      **kw).create_engine_config()
+    return vllm_config(model, **kw)
 
 
 def resident_refusal(model: str, **engine) -> str:
     """What vLLM says to a resident engine (no connector) with our plugin loaded."""
     try:
-        EngineArgs(model=model, enforce_eager=True, block_size=256, max_model_len=4096,
-                   **engine).create_engine_config()
+        vllm_config(model, **engine)
     except ValueError as e:
         return str(e)
     return "accepted"

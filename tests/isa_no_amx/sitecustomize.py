@@ -13,7 +13,9 @@ imports ``sitecustomize`` at start-up of every interpreter with this directory o
 """
 import os
 
-import torch.cpu
+os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"  # oneDNN's kernels: no AMX
+
+import torch.cpu  # noqa: E402
 
 
 def _absent() -> bool:
@@ -21,4 +23,3 @@ def _absent() -> bool:
 
 
 torch.cpu._is_amx_tile_supported = _absent
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # oneDNN's kernels: no AMX
