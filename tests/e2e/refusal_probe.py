@@ -12,7 +12,8 @@ from vllm_dhisparse.integration.connector import DHiSparseConnector
 
 
 class OtherPlatform:
-    """The real platform, except that it says it is CUDA (the connector must refuse)."""
+    """The real platform, except that it says it is an Ampere GPU (CUDA SM80: the
+    connector must refuse)."""
     device_name = "cuda"
 
     def __init__(self, real):
@@ -20,6 +21,13 @@ class OtherPlatform:
 
     def is_cpu(self) -> bool:
         return False
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def get_device_capability(self, device_id: int = 0):
+        from vllm.platforms.interface import DeviceCapability
+        return DeviceCapability(8, 0)
 
     def __getattr__(self, name):
         return getattr(self._real, name)

