@@ -1,0 +1,222 @@
+"""Sessions and output tokens/s in the same HBM: resident serving against the connector.
+
+    python benchmarks/gpu_capacity.py [--out DIR] [--kv-bytes B] [--rate R] [--arrive-s S]
+
+Needs a CUDA machine (SM90 / SM100) with vLLM 0.33 (installed or staged,
+scripts/vllm_stage/).  The model is the demo model's architecture with random weights
+(``load_format="dummy"``) and positions up to 135,168, so that 32K, 64K and 128K-token
+prompts fit.  Both arms run one after the other in one call, each in its own process,
+with vLLM's GPU defaults and the same ``kv_cache_memory_bytes``: requests arrive at a
+steady ``--rate`` for ``--arrive-s`` seconds (prompt lengths cycling 32K / 64K / 128K,
+``--out-tokens`` output tokens each, ignore_eos), then the engine drains until
+``--arm-s``.  Per arm: concurrent decoding requests over time (vLLM's running queue,
+requests past their prompt), output tokens/s over the arrival window and overall,
+TTFT and inter-token latency percentiles, and for the connector the share of
+selections fetched from host.
+
+Writes OUT/gpu_capacity.json (device, date, commit, versions) and OUT/gpu_capacity.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+LENGTHS = (32768, 65536, 131072)
+MAX_LEN = 135168
+EXTRA = {}  # the connector's defaults
+
+
+def model_dir(src: str, max_len: int) -> str:
+    """The demo architecture with positions up to ``max_len`` and no weights (dummy load)."""
+    d = tempfile.mkdtemp(prefix="capacity-model-")
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors") and not f.endswith(".json.index") and f != "SHA256SUMS":
+            p = os.path.join(src, f)
+            if os.path.isfile(p) and "index" not in f:
+                shutil.copy(p, d)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max_len
+    cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=max_len / cfg["rope_scaling"][
+        "original_max_position_embeddings"])
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return d
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def child(args) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm_dhisparse.tools.offline_run import in_process_scheduler
+    kw = dict(model=args.model, load_format="dummy", max_model_len=args.max_len,
+              max_num_seqs=args.max_seqs, seed=0, gpu_memory_utilization=0.15,
+              kv_cache_memory_bytes=args.kv_bytes)
+    if args.connector:
+        from vllm_dhisparse.engine_args import engine_args
+        kw.update(engine_args(json.loads(args.connector)))
+    llm = LLM(**kw)
+    engine, sched = llm.llm_engine, in_process_scheduler(llm)
+    g = torch.Generator().manual_seed(0)
+    n_req = int(args.rate * args.arrive_s)
+    prompts = [torch.randint(3, 512, (int(LENGTHS[i % len(LENGTHS)] * args.scale),),
+                             generator=g).tolist() for i in range(n_req)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.out_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2))
+    t0 = time.perf_counter()
+    arrival, first, last, seen, itl = {}, {}, {}, {}, []
+    timeline, added, total_out = [], 0, 0
+    while time.perf_counter() - t0 < args.arm_s:
+        now = time.perf_counter() - t0
+        while added < n_req and added / args.rate <= now:
+            rid = f"c{added}"
+            engine.add_request(rid, {"prompt_token_ids": prompts[added]}, params)
+            arrival[rid] = time.perf_counter()
+            added += 1
+        if not engine.has_unfinished_requests():
+            if added >= n_req:
+                break
+            time.sleep(0.001)
+            continue
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            new = n - seen.get(o.request_id, 0)
+            if new <= 0:
+                continue
+            if o.request_id not in first:
+                first[o.request_id] = t
+            else:
+                itl.extend([(t - last[o.request_id]) / new] * new)
+            last[o.request_id], seen[o.request_id] = t, n
+            total_out += new
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        timeline.append((round(t - t0, 4), decoding, len(sched.running), len(sched.waiting),
+                         total_out))
+    dur = time.perf_counter() - t0
+    in_window = [x for x in timeline if x[0] <= args.arrive_s]
+    ttft = [first[r] - arrival[r] for r in first]
+    res = dict(requests_sent=added, requests_started=len(first),
+               requests_finished=sum(seen.get(r, 0) >= args.out_tokens for r in arrival),
+               output_tokens=total_out, seconds=round(dur, 2),
+               output_tokens_per_s=round(total_out / dur, 1),
+               output_tokens_per_s_arrival_window=round(
+                   in_window[-1][4] / in_window[-1][0], 1) if in_window else None,
+               max_decoding=max((x[1] for x in timeline), default=0),
+               mean_decoding_second_half=round(sum(x[1] for x in in_window[len(in_window) // 2:])
+                                               / max(1, len(in_window) - len(in_window) // 2), 1),
+               ttft_s={q: pct(ttft, q) for q in (0.5, 0.9, 0.99)},
+               itl_ms={q: (pct(itl, q) or 0) * 1e3 for q in (0.5, 0.9, 0.99)},
+               timeline=timeline[::max(1, len(timeline) // 400)])
+    from gpu_connector import worker_summary
+    tot = worker_summary()
+    if tot is not None:
+        sel = tot["direct"] + tot["hot"] + tot["host"]
+        res["host_share"] = round(tot["host"] / sel, 4) if sel else None
+        res["census"] = {k: tot[k] for k in ("direct", "hot", "host", "admissions",
+                                             "admissions_waited", "failed")}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "needle_v4"),
+                    help="a model directory whose config and tokenizer are used")
+    ap.add_argument("--out", default="/tmp/gpu_capacity")
+    ap.add_argument("--kv-bytes", type=int, default=8 << 30)
+    ap.add_argument("--max-len", type=int, default=MAX_LEN, help="max_model_len (positions)")
+    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
+    ap.add_argument("--arrive-s", type=float, default=60.0)
+    ap.add_argument("--arm-s", type=float, default=120.0, help="seconds each arm runs at most")
+    ap.add_argument("--out-tokens", type=int, default=2048)
+    ap.add_argument("--scale", type=float, default=1.0, help="prompt lengths times this")
+    ap.add_argument("--extra", default=json.dumps(EXTRA))
+    ap.add_argument("--arms", default="resident,connector")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only draw the plot of a result file (beside it, .png)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--connector", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.replot[:-len(".json")] + ".png")
+        return 0
+    if args.child:
+        child(args)
+        return 0
+    from gpu_connector import arm_env, meta
+    os.makedirs(args.out, exist_ok=True)
+    model = model_dir(args.model, args.max_len)
+    results = {}
+    for arm in args.arms.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model]
+        for k in ("kv_bytes", "max_len", "max_seqs", "rate", "arrive_s", "arm_s", "out_tokens", "scale"):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        if arm == "connector":
+            cmd += ["--connector", args.extra]
+        log = os.path.join(args.out, f"capacity_{arm}.log")
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                  env=arm_env(arm == "connector", in_process=True),
+                                  timeout=args.arm_s + 400)
+        text = open(log, errors="replace").read()
+        found = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+        results[arm] = json.loads(found[-1][7:]) if found else dict(
+            error=f"exit {proc.returncode}", log_tail=text[-3000:])
+        print(arm, json.dumps({k: v for k, v in results[arm].items() if k != "timeline"}),
+              flush=True)
+    doc = dict(meta=meta(), kv_cache_memory_bytes=args.kv_bytes, lengths=LENGTHS,
+               rate=args.rate, arrive_s=args.arrive_s, out_tokens=args.out_tokens,
+               max_num_seqs=args.max_seqs, extra_config=json.loads(args.extra), arms=results)
+    r, c = results.get("resident", {}), results.get("connector", {})
+    if r.get("max_decoding") and c.get("max_decoding"):
+        doc["ratios"] = dict(
+            max_decoding=round(c["max_decoding"] / r["max_decoding"], 2),
+            output_tokens_per_s=round(c["output_tokens_per_s"] / r["output_tokens_per_s"], 2))
+    with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    plot(doc, os.path.join(args.out, "gpu_capacity.png"))
+    print("SUMMARY " + json.dumps(doc.get("ratios")), flush=True)
+    return 0
+
+
+def plot(doc: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for arm, r in doc["arms"].items():
+        tl = r.get("timeline") or []
+        ax.plot([x[0] for x in tl], [x[1] for x in tl], label=arm)
+    ax.set_xlabel("s")
+    ax.set_ylabel("decoding requests")
+    ax.set_title(f"same KV budget ({doc['kv_cache_memory_bytes'] / 2**30:.1f} GiB), "
+                 f"{doc['rate']} req/s of 32K/64K/128K tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
