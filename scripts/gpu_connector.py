@@ -412,6 +412,12 @@ def main(argv=None) -> int:
             results[a] = wait_arm(p, logs[a], t_end)
         for a, fut in serving.items():
             results[a] = fut.result()
+    if "scenarios" not in results.get("connector", {"scenarios": 1}) and not args.eager \
+            and t_end - time.time() > 150:
+        # the engine did not come up with graphs: does it without them? (localizes the fault)
+        args.eager, logs["connector_eager"] = True, os.path.join(args.out, "connector_eager.log")
+        results["connector_eager"] = wait_arm(start_llm_arm(args, True, logs["connector_eager"]),
+                                              logs["connector_eager"], t_end)
     cmp = {}
     if "resident" in results:
         r = results["resident"]
@@ -419,8 +425,9 @@ def main(argv=None) -> int:
         if "outputs" in sc.get("batch_again", {}) and "outputs" in sc.get("batch", {}):
             cmp["resident_vs_itself"] = compare_outputs(sc["batch_again"]["outputs"],
                                                         sc["batch"]["outputs"])
-        if "connector" in results:
-            cmp["connector_vs_resident"] = compare(results["connector"], r)
+        for arm in ("connector", "connector_eager"):
+            if arm in results:
+                cmp[f"{arm}_vs_resident"] = compare(results[arm], r)
     if "serve-resident" in results and "serve-connector" in results:
         cmp["serve_connector_vs_resident"] = compare(results["serve-connector"],
                                                      results["serve-resident"])
