@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 LENGTHS = (32768, 65536, 131072)
 MAX_LEN = 135168
-EXTRA = {}  # the connector's defaults
+EXTRA = {"host_pool_gib": 6.0}  # every running request's history fits the host pool
 
 
 def model_dir(src: str, max_len: int) -> str:
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/gpu_capacity")
     ap.add_argument("--kv-bytes", type=int, default=8 << 30)
     ap.add_argument("--max-len", type=int, default=MAX_LEN, help="max_model_len (positions)")
-    ap.add_argument("--max-seqs", type=int, default=256)
+    ap.add_argument("--max-seqs", type=int, default=128)
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
     ap.add_argument("--arrive-s", type=float, default=60.0)
     ap.add_argument("--arm-s", type=float, default=120.0, help="seconds each arm runs at most")
