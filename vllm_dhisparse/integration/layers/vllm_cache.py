@@ -21,7 +21,12 @@ class VllmC4aCaches:
             if name not in kv_caches:
                 raise ValueError(f"sparse layer {name!r} has no KV cache; caches: {sorted(kv_caches)}")
             cache = kv_caches[name].view(torch.uint8)
-            self.caches[name] = cache.reshape(cache.shape[0], -1)
+            try:  # a view, never a copy: rows are read from vLLM's live blocks
+                self.caches[name] = cache.view(cache.shape[0], -1)
+            except RuntimeError as e:
+                raise ValueError(f"sparse layer {name!r}: vLLM's c4a cache {tuple(cache.shape)} "
+                                 f"strides {cache.stride()} is not one row of bytes per block "
+                                 f"({e})") from e
             self._planes.pop(name, None)
 
     def planes(self, layer: SparseLayer) -> list[torch.Tensor]:
