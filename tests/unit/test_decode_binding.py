@@ -80,3 +80,22 @@ def test_counters_are_read_and_reset():
         assert b.take_counters()["lost_requests"] == set()
     finally:
         b.close()
+
+
+def test_what_runs_between_steps_is_not_counted():
+    """vLLM's warm-up and CUDA graph capture run the routed decode outside any step: what
+    they add to the counters is dropped when the next step's tables are written."""
+    h, b = binding()
+    try:
+        routed = b.routed["l0"]
+        local = torch.tensor([[0, 3, -1, -1]], dtype=torch.int32)
+        cache = L.block_view(torch.zeros(12 * L.BLOCK_STRIDE, dtype=torch.uint8), 12)
+        routed.locations(local, torch.tensor([0]), torch.tensor([0, 1]),
+                         torch.tensor([[5, 9, 2]], dtype=torch.int32), torch.tensor([320]),
+                         torch.tensor([True]), cache)  # a dummy run: no table written yet
+        routed.lost_by_slot[0] += 4
+        b.write_tables([])  # the first step
+        assert b.take_counters() == dict(fresh_selections=0, fresh_rows_lost=0,
+                                         unrouted_tokens=0, lost_requests=set())
+    finally:
+        b.close()

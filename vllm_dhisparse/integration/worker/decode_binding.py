@@ -51,6 +51,9 @@ class DecodeBinding:
     def write_tables(self, decoding: list[tuple[TrackedRequest, int]]) -> None:
         """``decoding``: (admitted request, its tokens once this step's are computed)."""
         for name, routed in self.routed.items():
+            # counters are per step: what vLLM's warm-up and capture runs added is not one
+            routed.counters.zero_()
+            routed.lost_by_slot.zero_()
             layer = self.layers[name]
             block_tokens = layer.rows_per_block * layer.compress_ratio
             blocks, slots = [], []
