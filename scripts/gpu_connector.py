@@ -340,6 +340,25 @@ def compare_outputs(a: dict, b: dict) -> dict:
                 identical=not tok and not lp and n > 0)
 
 
+def first_diff(pair) -> int | None:
+    """The first output position where two runs of a request differ (token or logprob)."""
+    a, b = pair
+    for i, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"])):
+        if x != y or a["tokens"][i] != b["tokens"][i]:
+            return i
+    return None
+
+
+def first_diffs(results: dict) -> dict:
+    """Per other LLM arm: the ``batch`` requests' output pairs against resident's."""
+    base = results.get("resident", {}).get("scenarios", {}).get("batch", {}).get("outputs", {})
+    out = {}
+    for arm in ("resident2", "connector"):
+        other = results.get(arm, {}).get("scenarios", {}).get("batch", {}).get("outputs", {})
+        out[arm] = {rid: (other[rid], o) for rid, o in base.items() if other.get(rid) and o}
+    return out
+
+
 def compare(a: dict, b: dict) -> dict:
     """Per scenario of two arms (``compare_outputs``)."""
     out = {}
@@ -374,7 +393,9 @@ def main(argv=None) -> int:
                     help="make demo's pass-key prompt as token ids (gpu_engine.py --write-prompt)")
     ap.add_argument("--kv-bytes", type=int, default=4 << 30, help="kv_cache_memory_bytes, both arms")
     ap.add_argument("--extra", default=json.dumps(EXTRA), help="the connector's extra config")
-    ap.add_argument("--arms", default="resident,connector,serve-resident,serve-connector")
+    ap.add_argument("--arms", default="resident,connector,serve-resident,serve-connector",
+                    help="of resident, resident2 (resident again in another process), "
+                         "connector, serve-resident, serve-connector")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--eager", action="store_true", help="enforce_eager in the LLM arms")
     ap.add_argument("--scale", type=float, default=1.0,
@@ -404,6 +425,8 @@ def main(argv=None) -> int:
             time.sleep(2)
     if "connector" in arms:
         procs["connector"] = start_llm_arm(args, True, logs["connector"])
+    if "resident2" in arms:  # vLLM against itself in another process, the same batches
+        procs["resident2"] = start_llm_arm(args, False, logs["resident2"])
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(2) as pool:
         serving = {a: pool.submit(serve_arm, args, a == "serve-connector", logs[a])
@@ -425,19 +448,23 @@ def main(argv=None) -> int:
         if "outputs" in sc.get("batch_again", {}) and "outputs" in sc.get("batch", {}):
             cmp["resident_vs_itself"] = compare_outputs(sc["batch_again"]["outputs"],
                                                         sc["batch"]["outputs"])
+        if "resident2" in results:
+            cmp["resident_vs_resident2"] = compare(results["resident2"], r)
         for arm in ("connector", "connector_eager"):
             if arm in results:
                 cmp[f"{arm}_vs_resident"] = compare(results[arm], r)
     if "serve-resident" in results and "serve-connector" in results:
         cmp["serve_connector_vs_resident"] = compare(results["serve-connector"],
                                                      results["serve-resident"])
-    doc = dict(meta=meta(), model=args.model, kv_cache_memory_bytes=args.kv_bytes,
+    doc = dict(meta=meta(), model=args.model, batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"), kv_cache_memory_bytes=args.kv_bytes,
                extra_config=json.loads(args.extra), batch_prompt_tokens=BATCH_LENS,
                arms=results, comparisons=cmp)
     with open(os.path.join(args.out, "gpu_connector.json"), "w") as f:
         json.dump(doc, f, indent=1)
     summary = {k: {s: v.get("identical", v) for s, v in c.items()} if k != "resident_vs_itself"
                else c.get("identical") for k, c in cmp.items()}
+    summary["first_token_differs"] = {k: sum(first_diff(o) == 0 for o in v.values())
+                                      for k, v in first_diffs(results).items()}
     summary["errors"] = {a: r["error"][:300] for a, r in results.items() if "error" in r}
     print("SUMMARY " + json.dumps(summary), flush=True)
     return 0
