@@ -139,6 +139,35 @@ def count_python_decodes() -> dict:
     return calls
 
 
+def audit_routed_decode() -> dict:
+    """Every routed decode call outside graph capture also runs upstream's decode on vLLM's
+    blocks (the connector must keep them: ``device_window_tokens`` 0) and the two outputs
+    are compared bit for bit, inside the engine, whatever vLLM's run-to-run variation;
+    instrumentation of this script only (``--audit``, with ``--eager`` every decode step)."""
+    import torch
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention as Up
+    from vllm_dhisparse.integration.layers import cuda_attention as C
+    got = {"calls": 0, "equal": 0, "tokens": 0, "max_abs_diff": 0.0}
+    routed_decode = C.RoutedDeepseekV4FlashMLAAttention._forward_decode
+
+    def audited(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output):
+        if self.routed is None or swa_only or torch.cuda.is_current_stream_capturing():
+            return routed_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only,
+                                 output)
+        want = torch.empty_like(output)
+        Up._forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, want)
+        routed_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output)
+        got["calls"] += 1
+        got["tokens"] += int(swa_metadata.num_decode_tokens)
+        if torch.equal(want, output):
+            got["equal"] += 1
+        else:
+            diff = (want.float() - output.float()).abs().nan_to_num(float("inf")).max()
+            got["max_abs_diff"] = max(got["max_abs_diff"], float(diff))
+    C.RoutedDeepseekV4FlashMLAAttention._forward_decode = audited
+    return got
+
+
 def worker_summary() -> dict | None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     if not has_kv_transfer_group():
@@ -149,6 +178,7 @@ def worker_summary() -> dict | None:
 
 def llm_child(args) -> None:
     from vllm import LLM
+    audit = audit_routed_decode() if args.audit else None
     calls = count_python_decodes() if args.connector else None
     kw = engine_kwargs(args)
     if args.connector:
@@ -190,6 +220,8 @@ def llm_child(args) -> None:
         print(f"SCENARIO {name} {json.dumps({k: v for k, v in r.items() if k != 'outputs'})}",
               flush=True)
     res["worker_totals"] = worker_summary()
+    if audit is not None:
+        res["audit"] = audit
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -299,7 +331,7 @@ def start_llm_arm(args, connector: bool, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
            "--kv-bytes", str(args.kv_bytes), "--prompt-json", args.prompt_json,
            "--scenarios", args.scenarios, "--scale", str(args.scale)] + (
-               ["--eager"] if args.eager else [])
+               ["--eager"] if args.eager else []) + (["--audit"] if args.audit and connector else [])
     if connector:
         cmd += ["--connector", args.extra]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
@@ -398,6 +430,9 @@ def main(argv=None) -> int:
                          "connector, serve-resident, serve-connector")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--eager", action="store_true", help="enforce_eager in the LLM arms")
+    ap.add_argument("--audit", action="store_true",
+                    help="the connector arm checks every eager routed decode call against "
+                         "upstream's on vLLM's blocks (give --extra a device_window_tokens of 0)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="prompt lengths times this (a dry run on CPU: 0.25)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds for the whole run")
@@ -465,6 +500,7 @@ def main(argv=None) -> int:
                else c.get("identical") for k, c in cmp.items()}
     summary["first_token_differs"] = {k: sum(first_diff(o) == 0 for o in v.values())
                                       for k, v in first_diffs(results).items()}
+    summary["audit"] = results.get("connector", {}).get("audit")
     summary["errors"] = {a: r["error"][:300] for a, r in results.items() if "error" in r}
     print("SUMMARY " + json.dumps(summary), flush=True)
     return 0
