@@ -8,9 +8,17 @@ FULL_AND_PIECEWISE, prefix caching, chunked prefill, async scheduling where vLLM
 on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, seed 0:
 
 * ``resident``: ``vllm.LLM`` without the connector (vLLM alone: no plugin loaded);
-* ``connector``: the same with DHiSparseConnector (``--extra``: a small hot cache and no
-  optional history, so that a large share of the selections is read from host memory);
-* ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client.
+* ``connector``: the same with the connector (``--extra``: a small hot cache and no
+  optional history, so that a large share of the selections is read from host memory),
+  as its measuring subclass ``gpu_measure.MeasuredConnector`` (the package's class
+  refuses CUDA until exactness there is shown);
+* ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client;
+* ``resident2`` (with ``--arms``): resident again in another process.
+
+vLLM's GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (the
+comparisons say where outputs first differ).  ``--audit`` (with ``--eager`` and a
+``device_window_tokens`` of 0 in ``--extra``) checks instead, inside the connector's engine,
+every routed decode call against upstream's decode on vLLM's blocks, bit for bit.
 
 The LLM arms run the engine core in-process and drive it step by step, so both arms run
 the same batches: ``batch`` (16 prompts of 2K-14K tokens at once, outputs of 16-39 tokens),
