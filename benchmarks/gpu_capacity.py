@@ -38,11 +38,11 @@ EXTRA = {"host_pool_gib": 6.0}  # every running request's history fits the host 
 def model_dir(src: str, max_len: int) -> str:
     """The demo architecture with positions up to ``max_len`` and no weights (dummy load)."""
     d = tempfile.mkdtemp(prefix="capacity-model-")
-    for f in os.listdir(src):
-        if not f.endswith(".safetensors") and not f.endswith(".json.index") and f != "SHA256SUMS":
-            p = os.path.join(src, f)
-            if os.path.isfile(p) and "index" not in f:
-                shutil.copy(p, d)
+    for f in os.listdir(src):  # config and tokenizer: no weights, no checksums of them
+        p = os.path.join(src, f)
+        if os.path.isfile(p) and not f.endswith(".safetensors") and "index" not in f \
+                and f != "SHA256SUMS":
+            shutil.copy(p, d)
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
     cfg["max_position_embeddings"] = max_len
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    from gpu_connector import arm_env, meta
+    from gpu_connector import arm_env
+    from gpu_engine import meta
     os.makedirs(args.out, exist_ok=True)
     model = model_dir(args.model, args.max_len)
     results = {}

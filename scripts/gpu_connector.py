@@ -39,10 +39,8 @@ OUT/<arm>.log; prints one ``SUMMARY`` line.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -52,6 +50,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_engine  # noqa: E402  (its device metadata and pass-key prompt)
+
 EXTRA = {"hot_cache_rows": 512, "optional_residency": False}
 BATCH_LENS = [2048 + 800 * i for i in range(16)]  # 2,048 .. 14,048 tokens
 SCENARIOS = ("batch", "batch_again", "passkey", "prefix", "preempt", "abort")
@@ -413,18 +413,6 @@ def compare(a: dict, b: dict) -> dict:
     return out
 
 
-def meta() -> dict:
-    import torch
-    import vllm
-    return dict(date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                git_commit=os.environ.get("DHISPARSE_COMMIT") or subprocess.run(
-                    ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
-                    text=True).stdout.strip() or None,
-                device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                python=platform.python_version(), torch=torch.__version__,
-                vllm=vllm.__version__)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -454,11 +442,12 @@ def main(argv=None) -> int:
     t_end = time.time() + args.timeout
     os.makedirs(args.out, exist_ok=True)
     if args.prompt_json is None:  # built with this Python's docstrings (gpu_engine.py says why)
-        from vllm_dhisparse.demo import passkey_prompt
-        p = passkey_prompt(args.model, 7200)
+        from types import SimpleNamespace
+        key = gpu_engine.passkey(SimpleNamespace(prompt_json=None, model=args.model,
+                                                 prompt_tokens=7200))
         args.prompt_json = os.path.join(args.out, "passkey.json")
         with open(args.prompt_json, "w") as f:
-            json.dump({"ids": p.ids, "answer": p.answer, "answer_ids": p.answer_ids}, f)
+            json.dump(key, f)
     arms = args.arms.split(",")
     logs = {a: os.path.join(args.out, f"{a}.log") for a in arms}
     results, procs = {}, {}
@@ -500,7 +489,7 @@ def main(argv=None) -> int:
     if "serve-resident" in results and "serve-connector" in results:
         cmp["serve_connector_vs_resident"] = compare(results["serve-connector"],
                                                      results["serve-resident"])
-    doc = dict(meta=meta(), model=args.model, batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"), kv_cache_memory_bytes=args.kv_bytes,
+    doc = dict(meta=gpu_engine.meta(), model=args.model, batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"), kv_cache_memory_bytes=args.kv_bytes,
                extra_config=json.loads(args.extra), batch_prompt_tokens=BATCH_LENS,
                arms=results, comparisons=cmp)
     with open(os.path.join(args.out, "gpu_connector.json"), "w") as f:
