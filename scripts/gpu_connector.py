@@ -16,9 +16,10 @@ on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, see
 * ``resident2`` (with ``--arms``): resident again in another process.
 
 vLLM's GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (the
-comparisons say where outputs first differ).  ``--audit`` (with ``--eager`` and a
-``device_window_tokens`` of 0 in ``--extra``) checks instead, inside the connector's engine,
-every routed decode call against upstream's decode on vLLM's blocks, bit for bit.
+comparisons say where outputs first differ).  ``--audit`` (with a ``device_window_tokens`` of 0
+in ``--extra``) checks instead, inside the connector's engine, every routed decode call --
+eager or replayed from a FULL CUDA graph -- against upstream's decode on vLLM's blocks,
+bit for bit.
 
 The LLM arms run the engine core in-process and drive it step by step, so both arms run
 the same batches: ``batch`` (16 prompts of 2K-14K tokens at once, outputs of 16-39 tokens),
@@ -148,33 +149,61 @@ def count_python_decodes() -> dict:
     return calls
 
 
-def audit_routed_decode() -> dict:
-    """Every routed decode call outside graph capture also runs upstream's decode on vLLM's
-    blocks (the connector must keep them: ``device_window_tokens`` 0) and the two outputs
-    are compared bit for bit, inside the engine, whatever vLLM's run-to-run variation;
-    instrumentation of this script only (``--audit``, with ``--eager`` every decode step)."""
+def audit_routed_decode():
+    """Every routed decode call also runs upstream's decode on vLLM's blocks (the connector
+    must keep them: ``device_window_tokens`` 0) and the two outputs are compared bit for bit,
+    inside the engine, whatever vLLM's run-to-run variation; instrumentation of this script
+    only (``--audit``).  The comparison is device ops only, so a FULL CUDA graph captures it
+    with both decodes and every replay checks itself; returns a function that reads the
+    counts once the run is over."""
     import torch
     from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention as Up
+    from vllm.v1.attention.ops.flashmla import get_mla_metadata
     from vllm_dhisparse.integration.layers import cuda_attention as C
-    got = {"calls": 0, "equal": 0, "tokens": 0, "max_abs_diff": 0.0}
     routed_decode = C.RoutedDeepseekV4FlashMLAAttention._forward_decode
+    dev = {}  # calls, calls equal in every valid token, valid tokens: int64; max |diff|
+    captured = {"calls": 0}
+    plans = []  # schedules planned inside a captured graph live as long as the engine
 
     def audited(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output):
-        if self.routed is None or swa_only or torch.cuda.is_current_stream_capturing():
+        if self.routed is None or swa_only:
             return routed_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only,
                                  output)
+        if not dev:
+            dev["n"] = torch.zeros(3, dtype=torch.int64, device=output.device)
+            dev["max"] = torch.zeros((), dtype=torch.float32, device=output.device)
+        t = swa_metadata.num_decode_tokens
         want = output.clone()  # rows neither call writes stay equal
-        Up._forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, want)
+        # FlashMLA plans a schedule on its first call and pins that call's page block size
+        # in it; upstream reads vLLM's 64-row blocks, the routed call the hierarchy's rows,
+        # so upstream plans its own
+        planned = swa_metadata.tile_sched_c4a
+        swa_metadata.tile_sched_c4a = get_mla_metadata()[0]
+        if torch.cuda.is_current_stream_capturing():
+            plans.append(swa_metadata.tile_sched_c4a)
+            captured["calls"] += 1
+        try:
+            Up._forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, want)
+        finally:
+            swa_metadata.tile_sched_c4a = planned
         routed_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output)
-        got["calls"] += 1
-        got["tokens"] += int(swa_metadata.num_decode_tokens)
-        if torch.equal(want, output):
-            got["equal"] += 1
-        else:
-            diff = (want.float() - output.float()).abs().nan_to_num(float("inf")).max()
-            got["max_abs_diff"] = max(got["max_abs_diff"], float(diff))
+        valid = swa_metadata.is_valid_token[:t].bool()  # [t]: padding rows of a graph out
+        a, b = want[:t].reshape(t, -1), output[:t].reshape(t, -1)
+        bad = (a != b).any(1) & valid
+        diff = (a.float() - b.float()).abs().nan_to_num(float("inf")).amax(1)
+        dev["n"][0] += 1
+        dev["n"][1] += (~bad.any()).long()
+        dev["n"][2] += valid.sum()
+        torch.maximum(dev["max"], torch.where(valid, diff, 0.0).max(), out=dev["max"])
     C.RoutedDeepseekV4FlashMLAAttention._forward_decode = audited
-    return got
+
+    def read() -> dict:
+        if not dev:
+            return dict(calls=0, equal=0, tokens=0, max_abs_diff=0.0, captured_calls=0)
+        calls, equal, tokens = dev["n"].tolist()
+        return dict(calls=calls, equal=equal, tokens=tokens,
+                    max_abs_diff=float(dev["max"]), captured_calls=captured["calls"])
+    return read
 
 
 def worker_summary() -> dict | None:
@@ -205,6 +234,8 @@ def llm_child(args) -> None:
         scheduler=str(vc.scheduler_config.scheduler_cls),
         v2_model_runner=getattr(vc, "use_v2_model_runner", None)))
     print("ARM_READY", flush=True)
+    if audit is not None:
+        res["audit_at_start"] = audit()  # warm-up's dummy batches
     if calls is not None:
         res["routed_decode_python_at_start"] = dict(calls)
     with open(args.prompt_json) as f:
@@ -230,7 +261,7 @@ def llm_child(args) -> None:
               flush=True)
     res["worker_totals"] = worker_summary()
     if audit is not None:
-        res["audit"] = audit
+        res["audit"] = audit()
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -428,8 +459,9 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--eager", action="store_true", help="enforce_eager in the LLM arms")
     ap.add_argument("--audit", action="store_true",
-                    help="the connector arm checks every eager routed decode call against "
-                         "upstream's on vLLM's blocks (give --extra a device_window_tokens of 0)")
+                    help="the connector arm checks every routed decode call (eager or a graph "
+                         "replay) against upstream's on vLLM's blocks (give --extra a "
+                         "device_window_tokens of 0)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="prompt lengths times this (a dry run on CPU: 0.25)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds for the whole run")
