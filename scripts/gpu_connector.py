@@ -9,9 +9,7 @@ on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, see
 
 * ``resident``: ``vllm.LLM`` without the connector (vLLM alone: no plugin loaded);
 * ``connector``: the same with the connector (``--extra``: a small hot cache and no
-  optional history, so that a large share of the selections is read from host memory),
-  as its measuring subclass ``gpu_measure.MeasuredConnector`` (the package's class
-  refuses CUDA until exactness there is shown);
+  optional history, so that a large share of the selections is read from host memory);
 * ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client;
 * ``resident2`` (with ``--arms``): resident again in another process.
 
@@ -220,7 +218,7 @@ def llm_child(args) -> None:
     calls = count_python_decodes() if args.connector else None
     kw = engine_kwargs(args)
     if args.connector:
-        from gpu_measure import engine_args
+        from vllm_dhisparse.engine_args import engine_args
         kw.update(engine_args(json.loads(args.connector)))
     t0 = time.time()
     llm = LLM(model=args.model, **kw)
@@ -275,7 +273,7 @@ def engine_kwargs(args) -> dict:
 # ------------------------------------------------------------------ the serve arms
 def serve_arm(args, connector: bool, log_path: str) -> dict:
     from vllm_dhisparse.demo import free_port, stop_server, wait_healthy
-    from gpu_measure import server_args
+    from vllm_dhisparse.engine_args import server_args
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -353,7 +351,7 @@ def cuda() -> bool:
 def arm_env(connector: bool, in_process: bool) -> dict:
     global _PLUGIN_DIR
     env = dict(os.environ)
-    paths = [ROOT, os.path.join(ROOT, "scripts")]  # gpu_measure: the measured connector
+    paths = [ROOT]
     if connector:
         if _PLUGIN_DIR is None:
             _PLUGIN_DIR = plugin_path()

