@@ -68,7 +68,7 @@ def child(args) -> None:
               max_num_seqs=args.max_seqs, seed=0, gpu_memory_utilization=0.15,
               kv_cache_memory_bytes=args.kv_bytes)
     if args.connector:
-        from vllm_dhisparse.engine_args import engine_args
+        from gpu_measure import engine_args  # the connector measured on CUDA
         kw.update(engine_args(json.loads(args.connector)))
     llm = LLM(**kw)
     engine, sched = llm.llm_engine, in_process_scheduler(llm)

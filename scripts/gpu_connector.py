@@ -9,7 +9,10 @@ on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, see
 
 * ``resident``: ``vllm.LLM`` without the connector (vLLM alone: no plugin loaded);
 * ``connector``: the same with the connector (``--extra``: a small hot cache and no
-  optional history, so that a large share of the selections is read from host memory);
+  optional history, so that a large share of the selections is read from host memory),
+  with ``--eager`` the package's class, with CUDA graphs its measuring subclass
+  ``gpu_measure.MeasuredConnector`` (the package's class refuses CUDA graphs until the
+  audit of their replays has run);
 * ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client;
 * ``resident2`` (with ``--arms``): resident again in another process.
 
@@ -218,7 +221,10 @@ def llm_child(args) -> None:
     calls = count_python_decodes() if args.connector else None
     kw = engine_kwargs(args)
     if args.connector:
-        from vllm_dhisparse.engine_args import engine_args
+        if args.eager:  # CUDA without graphs: what the package's connector serves
+            from vllm_dhisparse.engine_args import engine_args
+        else:  # CUDA graphs: the measuring subclass (support.py says why)
+            from gpu_measure import engine_args
         kw.update(engine_args(json.loads(args.connector)))
     t0 = time.time()
     llm = LLM(model=args.model, **kw)
@@ -273,7 +279,7 @@ def engine_kwargs(args) -> dict:
 # ------------------------------------------------------------------ the serve arms
 def serve_arm(args, connector: bool, log_path: str) -> dict:
     from vllm_dhisparse.demo import free_port, stop_server, wait_healthy
-    from vllm_dhisparse.engine_args import server_args
+    from gpu_measure import server_args
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -351,7 +357,7 @@ def cuda() -> bool:
 def arm_env(connector: bool, in_process: bool) -> dict:
     global _PLUGIN_DIR
     env = dict(os.environ)
-    paths = [ROOT]
+    paths = [ROOT, os.path.join(ROOT, "scripts")]  # gpu_measure: the measured connector
     if connector:
         if _PLUGIN_DIR is None:
             _PLUGIN_DIR = plugin_path()

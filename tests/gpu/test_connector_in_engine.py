@@ -1,8 +1,8 @@
 """The connector inside vLLM's GPU engine against resident serving (``make test-gpu``).
 
 Runs ``scripts/gpu_connector.py`` twice: the four engines with vLLM's GPU defaults (FULL
-CUDA graphs), and a connector engine with FULL graphs that audits every routed decode call,
-eager or replayed, against upstream's decode on vLLM's blocks.  vLLM's GPU engine is not bitwise between two runs of
+CUDA graphs), and connector engines, eager and with FULL graphs, that audit every routed
+decode call (eager or replayed) against upstream's decode on vLLM's blocks.  vLLM's GPU engine is not bitwise between two runs of
 one batch on DeepSeek-V4 (benchmarks/NOTES.md, 2026-12-05), so the connector's tokens must
 equal resident's only where resident's equal resident's; the audit must be bitwise in every
 call.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33; skipped elsewhere.
@@ -51,11 +51,14 @@ def test_connector_against_resident_with_cuda_graphs(tmp_path):
     assert arms["serve-connector"]["passkey_answered"]
 
 
-def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "full_graphs"])
+def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path, graphs):
     extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0}
-    doc = run(tmp_path, "--arms", "connector", "--audit", "--extra", json.dumps(extra))
+    doc = run(tmp_path, "--arms", "connector", "--audit", "--extra", json.dumps(extra),
+              *([] if graphs else ["--eager"]))
     arm = doc["arms"]["connector"]
     audit, census = arm["audit"], arm["scenarios"]["batch"]["census"]
-    assert audit["captured_calls"] > 0, audit  # the graphs replay the check with the decodes
+    if graphs:  # the graphs replay the check with the decodes
+        assert audit["captured_calls"] > 0, audit
     assert audit["calls"] > 0 and audit["equal"] == audit["calls"], audit
     assert census["host"] >= 0.3 * (census["direct"] + census["hot"] + census["host"]), census

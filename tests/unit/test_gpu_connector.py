@@ -47,3 +47,21 @@ def test_a_staged_vllm_finds_the_plugin_through_the_written_entry_point(monkeypa
     got = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": where})
     assert got.stdout.strip() == "['vllm_dhisparse.integration.plugin:register']", got.stderr
+
+
+def test_the_measured_connector_is_recognised_and_only_it_passes_the_graphs_refusal():
+    """gpu_measure.MeasuredConnector is the connector (its subclass, by module path) and the
+    only one that lets CUDA graphs through; the package's own class refuses them."""
+    import gpu_measure
+    from vllm.config import KVTransferConfig
+
+    from vllm_dhisparse.integration.connector import DHiSparseConnector
+    from vllm_dhisparse.integration.extension_points import apply_all
+    from vllm_dhisparse.integration.support import uses_connector
+    apply_all()
+    ktc = KVTransferConfig(**gpu_measure.engine_args({"hot_cache_rows": 512})["kv_transfer_config"])
+    assert uses_connector(ktc) and ktc.kv_connector == "MeasuredConnector"
+    assert gpu_measure.MeasuredConnector.measures_unaudited_graphs
+    assert not DHiSparseConnector.measures_unaudited_graphs
+    args = gpu_measure.server_args({})
+    assert '"kv_connector_module_path": "gpu_measure"' in args[1]

