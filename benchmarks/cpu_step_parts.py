@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_step_parts.py --out benchmarks/results/cpu_step_parts
 
-Each arm runs ``vllm_dhisparse.tools.offline_run`` (one request, ``--prompt-len``
+Each arm runs ``harness.offline_run`` (one request, ``--prompt-len``
 tokens, ``--max-tokens`` greedy tokens) in its own process with vLLM's engine in that
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and times every call of a list of
 methods: vLLM's model runner and scheduler, the c4a attention layer (upstream's and the
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # harness/
 
 # (module, class, method): the parts timed in both arms (a class the arm lacks is skipped)
 PARTS = [
@@ -96,7 +97,7 @@ def run_arm(argv: list[str], out: str) -> None:
     op = ns.flash_mla_with_kvcache_cpu
     setattr(ns, "flash_mla_with_kvcache_cpu",
             _timed(op, record, lambda *a: "attention op"))
-    from vllm_dhisparse.tools import offline_run
+    from harness import offline_run
     try:
         offline_run.main(argv)
     finally:

@@ -63,7 +63,7 @@ def pct(xs: list[float], q: float) -> float | None:
 def child(args) -> None:
     import torch
     from vllm import LLM, SamplingParams
-    from vllm_dhisparse.tools.offline_run import in_process_scheduler
+    from harness.offline_run import in_process_scheduler
     kw = dict(model=args.model, load_format="dummy", max_model_len=args.max_len,
               max_num_seqs=args.max_seqs, seed=0, gpu_memory_utilization=0.15,
               kv_cache_memory_bytes=args.kv_bytes)

@@ -32,14 +32,15 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # harness/
 
 
 def run_arm(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from harness.offline_run import prompt_ids, running_requests
     from vllm_dhisparse import engine_args
-    from vllm_dhisparse.tools.offline_run import prompt_ids, running_requests
 
     extra = dict(hot_cache_rows=args.hot_cache_rows, optional_residency=args.arm == "on",
                  device_pool_pages=args.device_pool_pages,

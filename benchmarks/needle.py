@@ -77,7 +77,7 @@ def make_prompts(model: str, lengths, depths, per_cell: int, seed: int) -> list[
 def run_arm(model: str, arm: str, prompts: list[dict], max_num_seqs: int, log: Path) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump([p["ids"] for p in prompts], f)
-    cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
+    cmd = [sys.executable, "-m", "harness.offline_run", "--model", model,
            "--prompts-file", f.name, "--max-tokens", str(max(len(p["answer_ids"])
                                                               for p in prompts)),
            "--max-model-len", str(max(len(p["ids"]) for p in prompts) + 64),

@@ -36,7 +36,7 @@ K, WINDOW = 3, 128
 
 def offline(model: str, *args: str) -> dict:
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model, *args]
+    cmd = [sys.executable, "-m", "harness.offline_run", "--model", model, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     for line in proc.stdout.splitlines():
         if line.startswith("DHISPARSE_RESULT "):

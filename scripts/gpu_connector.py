@@ -61,7 +61,7 @@ SCENARIOS = ("batch", "batch_again", "passkey", "prefix", "preempt", "abort")
 
 # ------------------------------------------------------------------ the LLM arms (children)
 def prompt(length: int, seed: int) -> list[int]:
-    from vllm_dhisparse.tools.offline_run import prompt_ids
+    from harness.offline_run import prompt_ids
     return prompt_ids(length, seed)
 
 
@@ -72,7 +72,7 @@ def drive(llm, tag: str, prompts: list[list[int]], max_tokens: list[int], *,
     finish; request ``preempt_at[0]`` is preempted before step ``preempt_at[1]``, request
     ``abort_at[0]`` aborted before step ``abort_at[1]``."""
     from vllm import SamplingParams
-    from vllm_dhisparse.tools.offline_run import in_process_scheduler
+    from harness.offline_run import in_process_scheduler
     engine = llm.llm_engine
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p, m in zip(ids, prompts, max_tokens):

@@ -69,7 +69,8 @@ def hook(monkeypatch):
 def test_with_the_test_harness_force_in_either_order(hook, force_first, chunk_tokens):
     """A run that forces chunked prefill back on gets its own chunk as the step budget; one
     that does not gets the raised limit; whichever wrapper comes first."""
-    from vllm_dhisparse.compat import cpu_scheduling, spec_step_budget
+    from harness import cpu_scheduling
+    from vllm_dhisparse.compat import spec_step_budget
     steps = [lambda: spec_step_budget.apply(), lambda: cpu_scheduling.force(False, chunk_tokens)]
     for step in (reversed(steps) if force_first else steps):
         step()

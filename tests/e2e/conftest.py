@@ -1,7 +1,7 @@
 """E2E fixtures: the demo model (built once) and a runner for offline vLLM generations.
 
 Each generation runs in its own process (vLLM keeps global state), through
-``python -m vllm_dhisparse.tools.offline_run``.
+``python -m harness.offline_run``.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def resident_run(demo_model):
 
 
 def run_offline(model: str, *args: str, env: dict | None = None, timeout: int = 1500) -> dict:
-    cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model, *args]
+    cmd = [sys.executable, "-m", "harness.offline_run", "--model", model, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **INPROC, **(env or {})}, cwd=REPO)
     for line in proc.stdout.splitlines():

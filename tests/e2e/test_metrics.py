@@ -98,7 +98,7 @@ def prom_api(url: str, path: str, **params) -> dict:
 
 # -- vLLM ---------------------------------------------------------------------------------
 def _prompt(n: int, seed: int) -> list[int]:
-    from vllm_dhisparse.tools.offline_run import prompt_ids
+    from harness.offline_run import prompt_ids
     motif = prompt_ids(n, seed)[:24]  # a repeated motif: ngram drafts get proposed
     return (motif * (n // len(motif) + 1))[:n]
 

@@ -63,7 +63,7 @@ class Producer:
         self.stop_file = str(tmp / "stop")
         # port 0: the worker binds a free port and reports it through vLLM's handshake
         cfg = {"handoff_port": 0, "handoff_host": "127.0.0.1", "handoff_lease_s": 600}
-        cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", model,
+        cmd = [sys.executable, "-m", "harness.offline_run", "--model", model,
                *args(lens, [1] * len(lens)), "--repeat", str(len(sets)), *extra,
                "--kv-role", "kv_producer", "--remote-decode", "--hold-until", self.stop_file,
                "--connector", json.dumps(cfg)]
@@ -251,7 +251,7 @@ def test_readme_two_servers(demo_model, resident, tmp_path):
         assert shell.returncode == 0 and answers and answers[-1]["choices"][0]["text"], \
             f"rc={shell.returncode}\n{text[-6000:]}"
         prefill, decode_url = (f"http://127.0.0.1:{ports[p]}" for p in ("8100", "8200"))
-        from vllm_dhisparse.tools.offline_run import prompt_ids
+        from harness.offline_run import prompt_ids
         req = dict(model=demo_model, prompt=prompt_ids(LENS[0], 0), temperature=0.0)
         first = post_json(prefill + "/v1/completions", {
             **req, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})

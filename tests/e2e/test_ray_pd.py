@@ -137,7 +137,7 @@ def pd_app(demo_model, resident, tmp_path_factory):
 
 
 def body(i: int, max_tokens: int = MAX_TOKENS, n: int | None = None) -> dict:
-    from vllm_dhisparse.tools.offline_run import prompt_ids
+    from harness.offline_run import prompt_ids
     return dict(model="demo", prompt=prompt_ids(n or LENS[i], i), max_tokens=max_tokens,
                 temperature=0.0, logprobs=1, return_token_ids=True)
 

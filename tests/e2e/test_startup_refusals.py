@@ -52,7 +52,7 @@ def test_pool_size_refusal_stops_start_up(demo_model):
     extra = {"host_pool_gib": 0.0001}
     needle = (r"'host_pool_gib'\] = 0.0001 holds \d+ rows per sparse layer, "
               r"fewer than one request of max_model_len 4096 needs")
-    cmd = [sys.executable, "-m", "vllm_dhisparse.tools.offline_run", "--model", demo_model,
+    cmd = [sys.executable, "-m", "harness.offline_run", "--model", demo_model,
            "--prompt-lens", "300", "--max-tokens", "1", "--max-model-len", "4096",
            "--connector", json.dumps(extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,

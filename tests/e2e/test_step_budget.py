@@ -21,7 +21,7 @@ PROMPT, TOKENS = 2400, 6
 SPEC_RUN = """
 import json, sys
 from vllm import LLM, SamplingParams
-from vllm_dhisparse.tools.offline_run import prompt_ids
+from harness.offline_run import prompt_ids
 llm = LLM(model=sys.argv[1], enforce_eager=True, block_size=256, max_model_len=8192,
           max_num_seqs=8, seed=0, kv_cache_memory_bytes=1 << 30,
           max_num_batched_tokens=2048,  # `vllm serve`'s default on CPU

@@ -142,7 +142,7 @@ def test_the_scheduler_name_builds_the_variant_vllm_schedules_with(monkeypatch, 
 # -- compat shims: each checks its targets when applied ----------------------------------------
 def _apply(name):
     import importlib
-    return importlib.import_module(f"vllm_dhisparse.compat.{name}")
+    return importlib.import_module(name if "." in name else f"vllm_dhisparse.compat.{name}")
 
 
 SHIMS = [
@@ -154,7 +154,7 @@ SHIMS = [
      "supported_kv_cache_layouts", lambda m: m.apply()),
     ("kv_spec_registry", "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry", "register",
      lambda m: m.check()),
-    ("cpu_scheduling", "vllm.platforms.cpu:CpuPlatform", "check_and_update_config",
+    ("harness.cpu_scheduling", "vllm.platforms.cpu:CpuPlatform", "check_and_update_config",
      lambda m: m.force(True, 0)),
     ("spec_step_budget", "vllm.platforms.cpu:CpuPlatform", "check_and_update_config",
      lambda m: m.apply()),

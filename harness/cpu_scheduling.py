@@ -6,12 +6,12 @@ disabled"), even when they are asked for.  GPUs and AMX CPUs keep them on by
 default, so the paths users take are tested only if a run on these machines can
 force them back on: :func:`force` wraps ``CpuPlatform.check_and_update_config`` to
 set them after the platform's own checks.  Applied only by a run that asks for
-it (``vllm_dhisparse.tools.offline_run --prefix-caching / --chunk-tokens``), to
+it (``harness.offline_run --prefix-caching / --chunk-tokens``), to
 both arms of a comparison alike.
 """
 from __future__ import annotations
 
-from .targets import expect
+from vllm_dhisparse.compat.targets import expect
 
 TARGET = "vllm.platforms.cpu:CpuPlatform.check_and_update_config"
 
