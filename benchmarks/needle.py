@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from vllm_dhisparse import needle as needle_data  # noqa: E402
 
+from benchmarks import ledger  # noqa: E402
 from benchmarks.common import metadata, new_figure  # noqa: E402
 
 TOP_K = 512
@@ -243,6 +244,8 @@ def main() -> int:
         json.dump(res, f, indent=1)
     print(json.dumps(res["summary"]))
     plot(res, f"{out}.png")
+    if out.resolve().parent == ledger.RESULTS:  # a run kept in results/ gets its record
+        ledger.append_from("needle", [f"{out.name}.json", f"{out.name}.png"])
     return 0
 
 

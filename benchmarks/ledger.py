@@ -1,0 +1,178 @@
+"""The results ledger: one JSON record per benchmark run, and the README's numbers from it.
+
+``results/ledger.jsonl`` holds one record per line::
+
+    {"benchmark": "needle", "config": "cpu", "commit": "f96004a", "date": "2026-12-04",
+     "machine": "CPU x86_64", "metrics": {...}, "files": ["needle_2026-12-04_f96004a.json"]}
+
+``files`` are under ``results/``.  A benchmark that has an extractor here appends its record
+when it writes its result (:func:`append_from`); the README's results table is rendered from
+the latest record of each (benchmark, config) the headlines name, so every number there
+names its record.
+
+    python benchmarks/ledger.py --readme    # rewrite README.md's results table
+    python benchmarks/ledger.py --check     # exit 1 when README.md's table is not the ledger's
+    python benchmarks/ledger.py --add BENCHMARK RESULT_FILE [MORE_FILES ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+LEDGER = RESULTS / "ledger.jsonl"
+README = HERE.parent / "README.md"
+KEYS = ("benchmark", "config", "commit", "date", "machine", "metrics", "files")
+BEGIN = "<!-- results: python benchmarks/ledger.py --readme -->\n"
+END = "<!-- end of results -->"
+
+
+# -- extractors: a result file's headline metrics -----------------------------------------
+def _machine(meta: dict) -> str:
+    dev = meta.get("device", "?")
+    return "CPU x86_64" if dev in ("cpu", "CPU") or str(dev).startswith("CPU") else dev
+
+
+def _needle(doc: dict) -> tuple[str, dict]:
+    s, cells = doc["summary"], doc["cells"]
+    n = len(cells) * doc["per_cell"]
+    return "cpu", dict(prompts=n, resident=round(s["resident"] * n),
+                       connector=round(s["connector"] * n), control=round(s["control"] * n),
+                       outputs="identical" if s["connector_equals_resident"] else "different")
+
+
+def _gpu_audit(doc: dict) -> tuple[str, dict]:
+    arm = doc["arms"]["connector"]
+    t = arm["worker_totals"]
+    selected = t["direct"] + t["hot"] + t["host"]
+    return arm["engine"]["cudagraph_mode"].lower(), dict(
+        calls=arm["audit"]["calls"], equal=arm["audit"]["equal"],
+        tokens=arm["audit"]["tokens"], host_share_pct=round(100 * t["host"] / selected, 1))
+
+
+def _hierarchy_step(doc: dict) -> tuple[str, dict]:
+    p, c = doc["points"][0], doc["config"]
+    return (f"b{p['batch']}_h{c['history']}_{'graph' if c['graph'] else 'eager'}",
+            dict(sessions=p["batch"], context_tokens=c["history"] * c["compress"],
+                 step_ms=round(p["step_wall_ms"], 2), host_syncs=p["host_syncs_per_step"]))
+
+
+def _capacity(doc: dict) -> tuple[str, dict]:
+    return "cpu", dict(kv_mb=round(doc["kv_cache_bytes"] / 1e6), prompt_tokens=doc["prompt_len"],
+                       resident_running=doc["resident"]["max_running"],
+                       connector_running=doc["connector"]["max_running"])
+
+
+EXTRACTORS = {"needle": _needle, "gpu_connector_audit": _gpu_audit,
+              "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity}
+
+
+def record_from(benchmark: str, files: list[str]) -> dict:
+    """The ledger record of a result (the first file is the JSON the extractor reads)."""
+    doc = json.loads((RESULTS / files[0]).read_text())
+    config, metrics = EXTRACTORS[benchmark](doc)
+    meta = doc.get("meta", {})
+    date = (meta.get("date_utc") or doc.get("date", ""))[:10]
+    commit = (meta.get("git_commit") or doc.get("commit", "")).split("+")[0]
+    machine = _machine(meta) if meta else doc.get("device", "?")
+    return dict(benchmark=benchmark, config=config, commit=commit, date=date,
+                machine=machine, metrics=metrics, files=list(files))
+
+
+def append_from(benchmark: str, files: list[str], ledger: Path = LEDGER) -> dict:
+    rec = record_from(benchmark, files)
+    with open(ledger, "a") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return rec
+
+
+# -- reading --------------------------------------------------------------------------------
+def load(ledger: Path = LEDGER) -> list[dict]:
+    records = []
+    for n, line in enumerate(ledger.read_text().splitlines(), 1):
+        rec = json.loads(line)
+        missing = [k for k in KEYS if k not in rec]
+        if missing:
+            raise ValueError(f"{ledger.name}:{n}: record lacks {missing} (schema: {list(KEYS)})")
+        records.append(rec)
+    return records
+
+
+def latest(records: list[dict]) -> dict[tuple[str, str], dict]:
+    """The newest record of each (benchmark, config); a later line wins a tie."""
+    out: dict[tuple[str, str], dict] = {}
+    for rec in records:
+        key = (rec["benchmark"], rec["config"])
+        if key not in out or rec["date"] >= out[key]["date"]:
+            out[key] = rec
+    return out
+
+
+# -- the README's table ---------------------------------------------------------------------
+# claim, (benchmark, config), what the number says (str.format over the metrics)
+HEADLINES = (
+    ("exact on CPU (pass-key prompts of 4K-8K tokens)", ("needle", "cpu"),
+     "{connector} of {prompts} keys answered with the connector and {resident} of {prompts} "
+     "without, tokens and logprobs {outputs}; {control} of {prompts} with a scrambled row "
+     "map"),
+    ("exact inside vLLM's GPU engine", ("gpu_connector_audit", "none"),
+     "{equal} of {calls} eager routed decode calls bit-identical to upstream's decode on "
+     "vLLM's blocks ({tokens} tokens, {host_share_pct} % of selections from host)"),
+    ("the hierarchy's decode step on the GPU", ("bench_hierarchy_step", "b512_h32768_graph"),
+     "{step_ms} ms per step at {sessions} sessions and {context_tokens} tokens of context, "
+     "CUDA graph, {host_syncs} host synchronisation"),
+    ("more sessions in the same KV memory, CPU", ("capacity", "cpu"),
+     "{connector_running} requests at once against resident's {resident_running} in "
+     "{kv_mb} MB of KV at {prompt_tokens}-token prompts"),
+)
+
+
+def render(records: list[dict]) -> str:
+    last = latest(records)
+    rows = ["| claim | number | record |", "| --- | --- | --- |"]
+    for claim, key, template in HEADLINES:
+        if key not in last:
+            raise KeyError(f"the ledger has no record of {key} for the headline {claim!r}")
+        rec = last[key]
+        where = ", ".join(f"`benchmarks/results/{f}`" for f in rec["files"])
+        rows.append(f"| {claim} | {template.format(**rec['metrics'])} | {rec['benchmark']} "
+                    f"{rec['date']} {rec['commit']}, {rec['machine']}: {where} |")
+    return "\n".join(rows)
+
+
+def readme_table(text: str) -> str:
+    if BEGIN not in text:
+        raise ValueError("README.md lost its results markers")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].rstrip("\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--readme", action="store_true", help="rewrite README.md's results table")
+    ap.add_argument("--check", action="store_true", help="exit 1 if README.md's table differs")
+    ap.add_argument("--add", nargs="+", metavar=("BENCHMARK", "FILE"),
+                    help="append the record of a result file to the ledger")
+    args = ap.parse_args(argv)
+    if args.add:
+        print(json.dumps(append_from(args.add[0], args.add[1:])))
+        if not (args.readme or args.check):
+            return 0
+    table = render(load())
+    text = README.read_text()
+    if args.readme:
+        old = text.split(BEGIN, 1)[1].split(END, 1)[0]
+        README.write_text(text.replace(BEGIN + old + END, BEGIN + table + "\n" + END))
+    if args.check and readme_table(text) != table:
+        print("README.md's results table is not the ledger's: python benchmarks/ledger.py "
+              "--readme", file=sys.stderr)
+        return 1
+    if not (args.readme or args.check):
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

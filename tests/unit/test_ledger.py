@@ -1,0 +1,57 @@
+"""The results ledger (benchmarks/ledger.py): its records are complete, their numbers are
+what the committed result files say, and README's results table is rendered from it."""
+import json
+
+import pytest
+
+from benchmarks import ledger
+
+
+def test_every_record_is_complete_and_names_committed_files():
+    records = ledger.load()
+    assert records, "the ledger is empty"
+    for rec in records:
+        assert rec["files"], rec
+        missing = [f for f in rec["files"] if not (ledger.RESULTS / f).is_file()]
+        assert missing == [], f"{rec['benchmark']} names files not in results/: {missing}"
+
+
+def test_every_number_is_the_result_files_number():
+    """A record's metrics are its extractor's reading of its files, not typed by hand."""
+    for rec in ledger.load():
+        if rec["benchmark"] in ledger.EXTRACTORS:
+            assert ledger.record_from(rec["benchmark"], rec["files"]) == rec
+
+
+def test_readme_results_table_is_the_ledgers():
+    assert ledger.readme_table(ledger.README.read_text()) == ledger.render(ledger.load()), \
+        "README.md's results table is not the ledger's: python benchmarks/ledger.py --readme"
+
+
+def rec(benchmark, config, date, **metrics):
+    return dict(benchmark=benchmark, config=config, commit="abc1234", date=date,
+                machine="m", metrics=metrics, files=["f.json"])
+
+
+def test_the_latest_record_of_each_benchmark_and_config_wins():
+    old, new = rec("b", "c", "2026-12-01", x=1), rec("b", "c", "2026-12-03", x=2)
+    other = rec("b", "d", "2026-12-02", x=3)
+    assert ledger.latest([new, other, old]) == {("b", "c"): new, ("b", "d"): other}
+
+
+def test_a_headline_without_a_record_and_a_record_without_a_key_are_errors(tmp_path):
+    with pytest.raises(KeyError, match="no record of .*needle"):
+        ledger.render([])
+    bad = tmp_path / "ledger.jsonl"
+    bad.write_text(json.dumps({"benchmark": "b", "config": "c"}) + "\n")
+    with pytest.raises(ValueError, match=r"ledger.jsonl:1: record lacks \['commit'"):
+        ledger.load(bad)
+
+
+def test_check_fails_when_the_readme_drifts(tmp_path, monkeypatch):
+    readme = tmp_path / "README.md"
+    text = ledger.README.read_text()
+    readme.write_text(text.replace("384 of 384", "385 of 384"))
+    monkeypatch.setattr(ledger, "README", readme)
+    assert ledger.main(["--check"]) == 1
+    assert ledger.main(["--readme"]) == 0 and ledger.main(["--check"]) == 0
