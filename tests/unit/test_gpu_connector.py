@@ -61,7 +61,7 @@ def test_the_measured_connector_is_recognised_and_only_it_passes_the_graphs_refu
     apply_all()
     ktc = KVTransferConfig(**gpu_measure.engine_args({"hot_cache_rows": 512})["kv_transfer_config"])
     assert uses_connector(ktc) and ktc.kv_connector == "MeasuredConnector"
-    assert gpu_measure.MeasuredConnector.measures_unaudited_graphs
-    assert not DHiSparseConnector.measures_unaudited_graphs
+    assert gpu_measure.MeasuredConnector.measures_unaudited
+    assert not DHiSparseConnector.measures_unaudited
     args = gpu_measure.server_args({})
     assert '"kv_connector_module_path": "gpu_measure"' in args[1]

