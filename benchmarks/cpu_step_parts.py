@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         ap.error("--out is required")
     if not os.path.isdir(args.model):
         ap.error(f"--model {args.model}: no such directory (build the demo model with "
-                 f"`python scripts/build_demo_model.py --out demo_model`)")
+                 f"`python -m vllm_dhisparse.demo_build.model --out demo_model`)")
     base = ["--model", args.model, "--prompt-lens", str(args.prompt_len), "--max-tokens",
             str(args.max_tokens), "--max-model-len", str(args.prompt_len + args.max_tokens + 64),
             "--kv-cache-bytes", str(10**9)]

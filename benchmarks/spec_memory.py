@@ -4,7 +4,7 @@
         python benchmarks/spec_memory.py --model demo_model      # CPU, ~2 min
 
 Two arms on the demo model with the seeded DFlash2 drafter (window 128, K = 3;
-scripts/build_demo_drafters.py), four concurrent requests of 600-7000 tokens: vLLM
+vllm_dhisparse/demo_build/drafters.py), four concurrent requests of 600-7000 tokens: vLLM
 alone (resident + DFlash2) and the hierarchy (+ its draft ring).  Checked first: both
 arms give the same greedy tokens (exit 1 otherwise).  Measured per arm, from vLLM's own
 block tables after every engine step (offline_run): the most draft blocks one request
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="spec_memory")
     args = ap.parse_args(argv)
     drafter = os.path.join(tempfile.mkdtemp(prefix="dhisparse-drafter-"), "dflash2")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "build_demo_drafters.py"), "dflash2",
+    subprocess.run([sys.executable, "-m", "vllm_dhisparse.demo_build.drafters", "dflash2",
                     "--target", args.model, "--out", drafter, "--k", str(K),
                     "--window", str(WINDOW)], check=True, capture_output=True)
     spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": K})

@@ -3,7 +3,7 @@
     python scripts/train_needle_model.py --out /tmp/needle --minutes 9        (H200)
     python scripts/train_needle_model.py --out /tmp/needle --smoke            (CPU, seconds)
 
-The model is the demo model's architecture (scripts/build_demo_model.py: 3 layers,
+The model is the demo model's architecture (vllm_dhisparse/demo_build/model.py: 3 layers,
 c4a / c128a / c4a, sliding window 128, index top-k 512), trained from its seeded
 weights in HF transformers' DeepseekV4ForCausalLM (eager attention, float32).  Data:
 vllm_dhisparse/needle.py, a passkey sentence and distractors of the same shape at random

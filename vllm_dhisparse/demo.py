@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # a clone, if run from one
 
 
 def _say(msg: str) -> None:
@@ -46,8 +46,8 @@ NEEDLE_SEED, NEEDLE_DEPTH = 11, 0.35  # the demo's prompt: its key, distractors 
 
 
 def build_demo_model(out: str) -> str:
-    script = os.path.join(REPO, "scripts", "build_demo_model.py")
-    subprocess.run([sys.executable, script, "--out", out], check=True)
+    subprocess.run([sys.executable, "-m", "vllm_dhisparse.demo_build.model", "--out", out],
+                   check=True)
     return out
 
 
@@ -56,8 +56,9 @@ def verified_model(path: str = TRAINED) -> str:
     import hashlib
     sums = os.path.join(path, "SHA256SUMS")
     if not os.path.exists(sums):
-        raise SystemExit(f"{sums} is missing: the trained model is part of the repository "
-                         f"(a partial clone? run `git checkout -- models`)")
+        raise SystemExit(f"{sums} is missing: the trained model ships with the repository, "
+                         f"not with the installed package. From a clone run `git checkout -- "
+                         f"models`; elsewhere pass --random-model (built here) or --model DIR")
     with open(sums) as f:
         for line in filter(None, (ln.strip() for ln in f)):
             digest, name = line.split(maxsplit=1)
@@ -112,8 +113,8 @@ def spec_args(model: str, preset: str, extra: dict) -> list[str]:
     from vllm_dhisparse.spec import SpecPreset
     drafter = os.path.join(os.path.dirname(os.path.abspath(model)), f"demo_{preset}_drafter")
     _say(f"building the {preset} demo drafter in {drafter}")
-    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "build_demo_drafters.py"),
-                    preset, "--target", model, "--out", drafter], check=True)
+    subprocess.run([sys.executable, "-m", "vllm_dhisparse.demo_build.drafters", preset,
+                    "--target", model, "--out", drafter], check=True)
     extra["spec"] = preset
     config = SpecPreset(preset, drafter, 3).speculative_config()
     return ["--speculative-config", json.dumps(config)]
@@ -226,8 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--random-model", action="store_true",
                     help="the seeded random demo model instead (built in --demo-dir; its "
                          "text is noise)")
-    ap.add_argument("--demo-dir", default=os.path.join(REPO, "demo_model"),
-                    help="where the random demo model is built (default: ./demo_model)")
+    ap.add_argument("--demo-dir", default=None,
+                    help="where the random demo model is built (default: demo_model in the "
+                         "repository when run from a clone, else in the current directory)")
     ap.add_argument("--prompt-tokens", type=int, default=7200,
                     help="length of the passkey prompt (the trained model)")
     ap.add_argument("--prompt-words", type=int, default=700,
@@ -248,6 +250,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     model, needle = args.model, None
+    if args.demo_dir is None:
+        clone = os.path.exists(os.path.join(REPO, "setup.py"))
+        args.demo_dir = os.path.join(REPO if clone else os.getcwd(), "demo_model")
     if model is None and args.random_model:
         _say(f"building the random demo model in {args.demo_dir}")
         model = build_demo_model(args.demo_dir)

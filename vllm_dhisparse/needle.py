@@ -38,7 +38,7 @@ class Prompt:
 
 def training_corpus() -> list[str]:
     """Fixed English text shipped with CPython 3.11 (no downloads): the demo tokenizer's
-    training corpus (scripts/build_demo_model.py) and the prompts' filler."""
+    training corpus (vllm_dhisparse/demo_build/model.py) and the prompts' filler."""
     import codecs
     import collections
     import contextlib

@@ -20,8 +20,8 @@ pytest.importorskip("vllm", reason="E2E tests need vLLM (make test installs vllm
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> str:
     out = os.environ.get("DHISPARSE_DEMO_MODEL") or str(tmp_path_factory.mktemp("demo") / "model")
-    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "build_demo_model.py"),
-                    "--out", out], check=True)
+    subprocess.run([sys.executable, "-m", "vllm_dhisparse.demo_build.model", "--out", out],
+                   check=True)
     return out
 
 

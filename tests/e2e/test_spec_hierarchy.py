@@ -11,7 +11,7 @@ DFlash2 arm runs chunked prefill without prefix caching: the ring's own chunk pa
 frees earlier chunks behind the window and hands null blocks to the worker's block table
 (a one-step prefill: tests/unit/test_draft_ring.py).  The DSpark drafter is
 the demo oracle built from the resident arm's own continuations
-(scripts/build_demo_drafters.py), so its drafts are accepted; the DFlash2 drafter is
+(vllm_dhisparse/demo_build/drafters.py), so its drafts are accepted; the DFlash2 drafter is
 seeded noise with a 128-token window.  Speculative and plain runs are compared on
 tokens (their logprobs need not be bitwise equal: different batch shapes); resident +
 spec and hierarchy + spec on tokens, logprobs and vLLM's acceptance counters.
@@ -47,8 +47,8 @@ K = 3
 
 
 def _build(kind: str, *args: str) -> None:
-    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "build_demo_drafters.py"),
-                    kind, *args], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "vllm_dhisparse.demo_build.drafters", kind, *args],
+                   check=True, capture_output=True)
 
 
 @pytest.fixture(scope="module")

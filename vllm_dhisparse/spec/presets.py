@@ -31,7 +31,7 @@ def read_drafter(model: str, method: str) -> dict[str, Any]:
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"spec = {method!r}: drafter directory {model!r} has no config.json "
-                         f"(build the demo drafters with scripts/build_demo_drafters.py)")
+                         f"(build the demo drafters with vllm_dhisparse/demo_build/drafters.py)")
     with open(path) as f:
         cfg = json.load(f)
     archs = tuple(cfg.get("architectures") or ())
@@ -131,7 +131,7 @@ def check_engine(vllm_config: "VllmConfig", spec: str) -> dict[str, Any] | None:
                          f"W and use_sliding_window true, or dflash_config use_swa and "
                          f"swa_window_size); the draft ring bounds a drafter's KV by its window "
                          f"W, and a drafter must not inherit the target's "
-                         f"(scripts/build_demo_drafters.py --window)")
+                         f"(vllm_dhisparse/demo_build/drafters.py --window)")
     # with prefix caching the ring keeps what a prefill step writes (draft_ring.py)
     bounds_prefill = not vllm_config.cache_config.enable_prefix_caching
     return dict(preset=name, num_speculative_tokens=k, k_max=1 + k, draft_window=window,

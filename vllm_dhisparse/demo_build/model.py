@@ -1,6 +1,6 @@
 """Build the tiny DeepSeek-V4 demo model locally (no downloads).
 
-    python scripts/build_demo_model.py --out demo_model [--seed 0] [--force]
+    python -m vllm_dhisparse.demo_build.model --out demo_model [--seed 0] [--force]
 
 Writes config.json, a byte-level BPE tokenizer (HF fast tokenizer files,
 vocab 512 = config.vocab_size) and seeded weights (model.safetensors).
@@ -34,8 +34,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from vllm_dhisparse.needle import training_corpus  # noqa: E402  (the package, installed or not)
+from vllm_dhisparse.needle import training_corpus
 
 VOCAB = 512
 BUILD_VERSION = 2  # bump when anything below changes the output

@@ -1,7 +1,7 @@
 """Build the demo drafters for speculative decoding next to the demo model (no downloads).
 
-    python scripts/build_demo_drafters.py dspark --target demo_model --ref RESULT.json --out D
-    python scripts/build_demo_drafters.py dflash2 --target demo_model --out D [--window 128]
+    python -m vllm_dhisparse.demo_build.drafters dspark --target demo_model --ref RESULT.json --out D
+    python -m vllm_dhisparse.demo_build.drafters dflash2 --target demo_model --out D [--window 128]
 
 * ``dspark``: a DSpark drafter (vLLM ``Qwen3DSparkModel``) whose Markov head replays the
   target's own greedy continuations, so its drafts are accepted: the backbone's output
