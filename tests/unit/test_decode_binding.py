@@ -66,8 +66,9 @@ def test_counters_are_read_and_reset():
         cache = L.block_view(torch.zeros(12 * L.BLOCK_STRIDE, dtype=torch.uint8), 12)
         routed.locations(local, torch.tensor([0, 1]), torch.tensor([0, 1, 2]), table,
                          torch.tensor([320, 100]), torch.tensor([True, True]), cache)
-        # request "b" is in the batch but not in the tables: its token is not routed
-        assert b.take_counters() == dict(fresh_selections=0, fresh_rows_lost=0,
+        # request "b" is in the batch but not in the tables: its token is not routed;
+        # "a"'s two valid selections are counted, none of a row of this step
+        assert b.take_counters() == dict(selected=2, fresh_selections=0, fresh_rows_lost=0,
                                          unrouted_tokens=1, lost_requests=set())
         assert b.take_counters()["unrouted_tokens"] == 0
         # 85 rows written, 80 committed: 5 fresh rows, 2 fit -> "a" is named, "b" is not
@@ -77,6 +78,7 @@ def test_counters_are_read_and_reset():
                          torch.tensor([340, 100]), torch.tensor([True, True]), cache)
         got = b.take_counters()
         assert got["fresh_rows_lost"] == 3 and got["lost_requests"] == {"a"}, got
+        assert (got["selected"], got["fresh_selections"]) == (3, 0), got  # "b" routed now
         assert b.take_counters()["lost_requests"] == set()
     finally:
         b.close()
@@ -95,7 +97,7 @@ def test_what_runs_between_steps_is_not_counted():
                          torch.tensor([True]), cache)  # a dummy run: no table written yet
         routed.lost_by_slot[0] += 4
         b.write_tables([])  # the first step
-        assert b.take_counters() == dict(fresh_selections=0, fresh_rows_lost=0,
+        assert b.take_counters() == dict(selected=0, fresh_selections=0, fresh_rows_lost=0,
                                          unrouted_tokens=0, lost_requests=set())
     finally:
         b.close()

@@ -415,14 +415,17 @@ class TableRecorder:
     def __init__(self):
         self.calls = []
         self.lost = set()  # requests the next take_counters names
+        self.selected = self.fresh = 0  # what the device counted in the next forward
 
     def write_tables(self, decoding):
         self.calls.append({req.req_id: tokens for req, tokens in decoding})
 
     def take_counters(self):
         lost, self.lost = self.lost, set()
-        return dict(fresh_selections=0, fresh_rows_lost=len(lost), unrouted_tokens=0,
-                    lost_requests=lost)
+        got = dict(selected=self.selected, fresh_selections=self.fresh,
+                   fresh_rows_lost=len(lost), unrouted_tokens=0, lost_requests=lost)
+        self.selected = self.fresh = 0
+        return got
 
 
 @pytest.mark.parametrize("routed", [False, True], ids=["cpu", "cuda"])
@@ -497,3 +500,17 @@ def test_on_cuda_a_decode_step_without_room_fails_that_request_alone():
     w.end_step()
     assert set(w.take_failed()) == {"d"}
     check_invariants(w.hierarchy)
+
+
+def test_on_cuda_the_census_counts_what_the_graph_captured_decode_selected():
+    """The routed FlashMLA decode counts its selections on the device (no Python runs in a
+    replayed graph); after the forward they reach the totals the metrics read."""
+    w = make_worker()
+    w.decode = CudaDecode(rec := TableRecorder())
+    before = w.summary()["totals"]
+    w.begin_step(STEPS[0]["meta"])
+    rec.selected, rec.fresh = 40, 3
+    w.end_step()
+    after = w.summary()["totals"]
+    assert after["selected"] - before["selected"] == 40
+    assert after["direct"] - before["direct"] == 3

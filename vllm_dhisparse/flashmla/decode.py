@@ -38,7 +38,8 @@ from . import routing as R
 
 COUNTER_FRESH = 0  # selections of rows written in this step
 COUNTER_UNROUTED = 1  # valid tokens of requests the hierarchy does not hold
-NUM_COUNTERS = 2
+COUNTER_SELECTED = 2  # valid selections of routed tokens (the census's denominator)
+NUM_COUNTERS = 3
 WORD = 8  # bytes: plane offsets of a c4a block are multiples of 8
 
 
@@ -138,6 +139,7 @@ class RoutedDecode:
         tok_committed = committed[req].view(t, 1)  # [T, 1]
         fresh = (local >= tok_committed) & (tok_slot >= 0).view(t, 1)  # [T, k]
         self.counters[COUNTER_FRESH] += fresh.sum()
+        self.counters[COUNTER_SELECTED] += ((local >= 0) & (tok_slot >= 0).view(t, 1)).sum()
         committed_sel = torch.where(fresh, -1, local)
         # tokens -> [N + 1, K_max, k]; unrouted tokens all land in padding row N (slot -1)
         sel = torch.full((n + 1, self.max_queries, k), -1, dtype=torch.int32, device=dev)

@@ -85,7 +85,7 @@ class DecodeBinding:
             lost |= {owners[slot] for slot, count in enumerate(got[at:at + n])
                      if count and slot in owners}
             at += n
-        return dict(fresh_selections=got[D.COUNTER_FRESH],
+        return dict(selected=got[D.COUNTER_SELECTED], fresh_selections=got[D.COUNTER_FRESH],
                     fresh_rows_lost=sum(got[D.NUM_COUNTERS:]),
                     unrouted_tokens=got[D.COUNTER_UNROUTED], lost_requests=lost)
 

@@ -22,8 +22,9 @@ class CpuDecode:
     def before_forward(self, decoding: list) -> None:
         """``decoding``: (admitted request, its tokens once this step's are computed)."""
 
-    def after_forward(self, requests, failures) -> None:
-        """Fails the requests the decode could not serve in this step."""
+    def after_forward(self, requests, failures, served) -> None:
+        """Fails the requests the decode could not serve in this step; ``served``: the
+        routed layers' counters (the CPU layers count into them themselves)."""
 
 
 class CudaDecode(CpuDecode):
@@ -35,8 +36,11 @@ class CudaDecode(CpuDecode):
     def before_forward(self, decoding: list) -> None:
         self.binding.write_tables(decoding)
 
-    def after_forward(self, requests, failures) -> None:
+    def after_forward(self, requests, failures, served) -> None:
         lost = self.binding.take_counters()
+        # the graph-captured decode counts on the device; the census reads them here
+        served.selected_rows += lost["selected"]
+        served.fresh_selections += lost["fresh_selections"]
         if lost["unrouted_tokens"] or lost["fresh_rows_lost"]:
             logger.error("DHiSparse: the routed decode served %d tokens without their c4a "
                          "rows (a routing table out of step with vLLM's batch) and lost "

@@ -178,7 +178,7 @@ class WorkerSide(WorkerReport):
             return
         if self.handoff is not None:  # before admission: every block is still vLLM's
             self.handoff.capture(self.requests, self.step_req_ids)
-        self.decode.after_forward(self.requests, self.failures)
+        self.decode.after_forward(self.requests, self.failures, self.served)
         self.admissions.admit_completed_prefills(self.requests, self.step_req_ids)
         self.hierarchy.step()
         self.failures.take_hierarchy_failures()
