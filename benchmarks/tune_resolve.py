@@ -141,6 +141,7 @@ def main() -> int:
         del host
 
     out = Path(args.out) / "tune_resolve.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=C.metadata(), variants=VARIANTS, rows=rows,
                                    failures=failures), indent=1))
     # compact table: case x variant medians

@@ -1,0 +1,25 @@
+"""The kernel benchmarks without a test of their own stay runnable: each one's ``--smoke``
+mode (tiny shapes, Triton's interpreter on CPU) runs and checks its results against the
+torch reference.  Timings on CPU mean nothing; the check is what fails."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.mark.parametrize("script,args,says", [
+    ("bench_gather.py", ["--name", "{tmp}/g"], "CORRECTNESS: every gather matched"),
+    ("bench_sglang.py", ["--name", "{tmp}/s"], "speedup"),
+    ("profile_resolve.py", [], "check exact match"),
+])
+def test_smoke_mode_runs_and_checks(tmp_path, script, args, says):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    got = subprocess.run([sys.executable, str(BENCH / script), "--smoke",
+                          *(a.format(tmp=tmp_path) for a in args)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-3000:]
+    assert says in got.stdout, got.stdout[-2000:]
