@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -71,8 +72,46 @@ def _capacity(doc: dict) -> tuple[str, dict]:
                        connector_running=doc["connector"]["max_running"])
 
 
+def _gpu_connector(doc: dict) -> tuple[str, dict]:
+    cmp = doc["comparisons"]
+    same = lambda pair: sum(c["identical"] for c in cmp.get(pair, {}).values())  # noqa: E731
+    census = doc["arms"]["connector"]["scenarios"]["batch"]["census"]
+    return "graphs", dict(
+        resident_bitwise_with_itself=cmp["resident_vs_itself"]["identical"],
+        scenarios=len(cmp["connector_vs_resident"]), identical_to_resident=same(
+            "connector_vs_resident"), errors=sum("error" in a for a in doc["arms"].values()),
+        batch_host_share_pct=round(100 * census["host"] / (census["direct"] + census["hot"]
+                                                          + census["host"]), 1))
+
+
+def _gpu_capacity(doc: dict) -> tuple[str, dict]:
+    r, c = doc["arms"]["resident"], doc["arms"]["connector"]
+    return f"kv{doc['kv_cache_memory_bytes'] >> 30}g_rate{doc['rate']:g}", dict(
+        max_decoding_resident=r["max_decoding"], max_decoding_connector=c["max_decoding"],
+        tokens_per_s_resident=r["output_tokens_per_s"],
+        tokens_per_s_connector=c["output_tokens_per_s"],
+        host_share_pct=round(100 * c["host_share"], 1))
+
+
+def _bench_sessions(doc: dict) -> tuple[str, dict]:
+    return f"{doc['tokens'] // 1000}k_{doc['budget_bytes'] >> 30}gib", dict(
+        resident=doc["resident_sessions"], hierarchy=doc["hierarchy_sessions"],
+        ratio=round(doc["ratio"], 2), predicted_ratio=round(doc["predicted_ratio"], 2))
+
+
+def _cpu_server(doc: dict) -> tuple[str, dict]:
+    if "latency" in doc:
+        lat = doc["latency"]
+        return "latency", dict(itl_ratio_1=round(lat["ratio_1"], 2),
+                               itl_ratio_4=round(lat["ratio_4"], 2))
+    return "capacity", {f"max_running_{arm}_{n}": r[arm]["max_running"]
+                        for n, r in doc["capacity"].items() for arm in ("resident", "connector")}
+
+
 EXTRACTORS = {"needle": _needle, "gpu_connector_audit": _gpu_audit,
-              "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity}
+              "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity,
+              "gpu_connector": _gpu_connector, "gpu_capacity": _gpu_capacity,
+              "bench_sessions": _bench_sessions, "cpu_server": _cpu_server}
 
 
 def record_from(benchmark: str, files: list[str]) -> dict:
@@ -83,6 +122,10 @@ def record_from(benchmark: str, files: list[str]) -> dict:
     date = (meta.get("date_utc") or doc.get("date", ""))[:10]
     # "+..." marks a run of a tree the commit did not hold; kept, so the record says so
     commit = meta.get("git_commit") or doc.get("commit", "")
+    named = files[0].rsplit(".", 1)[0].split("_")
+    if len(named) > 1 and re.fullmatch(r"[0-9a-f]{7}", named[-1]) \
+            and not commit.startswith(named[-1]):
+        commit = named[-1]  # the file names the run's commit where its meta was stale
     machine = _machine(meta) if meta else doc.get("device", "?")
     return dict(benchmark=benchmark, config=config, commit=commit, date=date,
                 machine=machine, metrics=metrics, files=list(files))
