@@ -5,7 +5,8 @@ layer to a higher one.
 Layers, low to high: the core (Triton kernels and the eager DeepSeek-V4 CPU ops, then the
 hierarchy; torch only), the pieces built on it (speculation presets, the config, the CPU
 shims, the passkey prompts), the FlashMLA routing, vLLM's glue (``integration``), then what
-users run (engine arguments, the demo, Ray P/D, the tools and the CLI)."""
+users run (engine arguments, the demo and its model builders, Ray P/D, the tools and the
+CLI)."""
 from __future__ import annotations
 
 import ast
@@ -20,7 +21,7 @@ LAYERS = [
     ("flashmla",),
     ("integration",),
     ("engine_args",),
-    ("demo", "ray_pd"),
+    ("demo", "demo_build", "ray_pd"),
     ("tools", ""),  # "": the package's __init__
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -5,7 +5,7 @@ pytest.importorskip("vllm", reason="pool_sizing logs through vLLM's logger")
 
 from vllm_dhisparse.config import DHiSparseConfig  # noqa: E402
 from vllm_dhisparse.integration.worker.pool_sizing import (  # noqa: E402
-    LayerShape, device_pool_bytes, plan_sources, plan_staging, staging_sizes)
+    LayerShape, device_pool_bytes, plan_pools, plan_sources, plan_staging, staging_sizes)
 
 LAYER = LayerShape("l0", compress_ratio=4, top_k=512, row_bytes=584, rows_per_block=64,
                    plane_bytes=(576, 8))
@@ -51,3 +51,16 @@ def test_explicit_pool_below_the_floor_names_the_key():
     cfg = DHiSparseConfig(hot_cache_rows=512, device_pool_pages=9)
     with pytest.raises(ValueError, match=r"'device_pool_pages'\] = 9 is below .* allowed >= 10"):
         plan_sources(cfg, [LAYER], max_model_len=7100, max_num_seqs=1, max_queries=1)
+
+
+def test_one_plan_per_process_whoever_asks():
+    """The worker's budget (LayerShape, from the loaded model), its check and the worker
+    half (SparseLayer, from vLLM's KV cache config) read the same plan object."""
+    from vllm_dhisparse.integration.layers.model_probe import SparseLayer
+    cfg = DHiSparseConfig(hot_cache_rows=512)
+    budget = plan_pools(cfg, [LAYER], 7100, 6, 1)
+    layer = SparseLayer("l0", compress_ratio=4, top_k=512, row_bytes=584, rows_per_block=64,
+                        group=1)
+    assert plan_pools(cfg, [layer], 7100, 6, 1) is budget
+    assert budget.device_bytes == device_pool_bytes(list(budget.sources), budget.staging)
+    assert plan_pools(cfg, [layer], 7100, 7, 1) is not budget  # other limits: another plan

@@ -17,12 +17,14 @@ rows one step computes per request (eq. 11; hierarchy/staging_arena.py).
 The device pools are counted **inside** the KV memory the operator gives vLLM
 (``--kv-cache-memory-bytes``, or the share from ``--gpu-memory-utilization``):
 the connector's worker (worker.py) takes them off in ``determine_available_memory``,
-so vLLM's own blocks get what is left (:func:`take_budget`).  The same
-:func:`plan_sources` sizes the pools there (before vLLM's KV cache config
-exists) and in ``register_kv_caches``, so the two agree.
+so vLLM's own blocks get what is left (:func:`take_budget`).  :func:`plan_pools` makes
+one :class:`PoolPlan` per process for the same inputs: the budget taken there (before
+vLLM's KV cache config exists), the worker's check against the KV cache config and the
+worker half's ``register_kv_caches`` read the same plan object.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
@@ -123,11 +125,40 @@ def staging_sizes(plans: list[SourcePlan], staging: StagingSpec | None, layers: 
                 staging_bound_bytes=staging_bytes(chi, n, k_max, 1, widest))
 
 
-def pool_bytes(vllm_config, cfg: DHiSparseConfig, layers: list) -> int:
-    """Device pools and staging arenas of ``layers`` (SparseLayer or LayerShape)."""
-    plans = plan_sources(cfg, layers, vllm_config.model_config.max_model_len,
-                         vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
-    return device_pool_bytes(plans, plan_staging(cfg, plans))
+@dataclass(frozen=True)
+class PoolPlan:
+    """Every source's pool and the staging arenas they share."""
+    sources: tuple[SourcePlan, ...]
+    staging: StagingSpec | None
+
+    @property
+    def device_bytes(self) -> int:
+        return device_pool_bytes(list(self.sources), self.staging)
+
+
+def layer_shape(layer) -> LayerShape:
+    """What sizing reads of a sparse layer (a SparseLayer, a LayerShape)."""
+    return LayerShape(layer.name, layer.compress_ratio, layer.top_k, layer.row_bytes,
+                      layer.rows_per_block, tuple(layer.plane_bytes))
+
+
+def plan_pools(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num_seqs: int,
+               max_queries: int) -> PoolPlan:
+    """The pools of ``layers``; the same object for the same inputs within a process."""
+    return _plan(cfg, tuple(layer_shape(layer) for layer in layers), max_model_len,
+                 max_num_seqs, max_queries)
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(cfg, shapes, max_model_len, max_num_seqs, max_queries) -> PoolPlan:
+    sources = plan_sources(cfg, list(shapes), max_model_len, max_num_seqs, max_queries)
+    return PoolPlan(tuple(sources), plan_staging(cfg, sources))
+
+
+def engine_plan(vllm_config, cfg: DHiSparseConfig, layers: list) -> PoolPlan:
+    """:func:`plan_pools` with the engine's limits."""
+    return plan_pools(cfg, layers, vllm_config.model_config.max_model_len,
+                      vllm_config.scheduler_config.max_num_seqs, max_queries(vllm_config))
 
 
 def check_budgeted(need: int, taken: int) -> None:
@@ -159,7 +190,7 @@ def budget_layers(vllm_config) -> list[LayerShape]:
 def take_budget(vllm_config, cfg: DHiSparseConfig, available: int) -> tuple[int, int]:
     """``(vLLM's share, the pools' share)`` of vLLM's KV budget (the worker's
     ``determine_available_memory``; the worker keeps the second for ``check_budgeted``)."""
-    pools = pool_bytes(vllm_config, cfg, budget_layers(vllm_config))
+    pools = engine_plan(vllm_config, cfg, budget_layers(vllm_config)).device_bytes
     if pools >= available:
         raise ValueError(
             f"DHiSparseConnector: the hierarchy's device pools need {pools / GIB:.3f} GiB of "

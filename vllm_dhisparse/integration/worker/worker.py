@@ -67,8 +67,8 @@ class DHiSparseWorker(_Base):
         cfg = connector_config(self.vllm_config)
         if cfg is not None and self.budgeted_bytes is not None:
             layers = find_sparse_layers(self.vllm_config, kv_cache_config)
-            pool_sizing.check_budgeted(pool_sizing.pool_bytes(self.vllm_config, cfg, layers),
-                                       self.budgeted_bytes)
+            plan = pool_sizing.engine_plan(self.vllm_config, cfg, layers)
+            pool_sizing.check_budgeted(plan.device_bytes, self.budgeted_bytes)
         super().initialize_from_config(kv_cache_config)
 
     def get_kv_cache_spec(self):

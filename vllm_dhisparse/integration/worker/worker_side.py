@@ -33,7 +33,7 @@ from ..layers.failures import Failures
 from ..handoff.worker import HandoffWorker, LoadJob
 from ..metadata import DHiSparseMetadata
 from ..layers.model_probe import SparseLayer
-from .pool_sizing import device_pool_bytes, plan_sources, plan_staging, staging_sizes
+from .pool_sizing import plan_pools, staging_sizes
 from .requests import RequestTable, TrackedRequest
 from ..metrics.stats import StatsCollector, write_json_atomic
 from .worker_report import WorkerReport
@@ -62,6 +62,7 @@ class WorkerSide(WorkerReport):
         self.device = device
         self.hierarchy: KVHierarchy | None = None
         self.device_pool_bytes = 0  # counted inside vLLM's KV budget (pool_sizing.py)
+        self.pool_plan = None  # pool_sizing.PoolPlan, made with the hierarchy
         self.requests = RequestTable()
         self.vllm_cache = VllmC4aCaches()
         self.fresh_rows: dict[str, int] = {}  # per source: arena columns for this step's rows
@@ -85,9 +86,9 @@ class WorkerSide(WorkerReport):
         if self.kv_role in ("kv_producer", "kv_consumer"):
             self.handoff = HandoffWorker(self.kv_role, self.cfg, kv_caches, kv_cache_config,
                                          list(self.layers.values()), self.vllm_cache.first_rows)
-        plans = plan_sources(self.cfg, list(self.layers.values()), self.max_model_len,
-                             self.max_num_seqs, self.max_queries)
-        staging = plan_staging(self.cfg, plans)
+        self.pool_plan = plan_pools(self.cfg, list(self.layers.values()), self.max_model_len,
+                                    self.max_num_seqs, self.max_queries)
+        plans, staging = list(self.pool_plan.sources), self.pool_plan.staging
         self.fresh_rows = {p.spec.name: p.fresh_rows for p in plans}
         if self.spec_sizes is not None:
             self.spec_sizes.update(staging_sizes(plans, staging, list(self.layers.values()),
@@ -102,7 +103,7 @@ class WorkerSide(WorkerReport):
         self.hierarchy = KVHierarchy(specs, residency, device=self.device,
                                      backend=self.cfg.resolver_backend, staging=staging)
         self.device_pool_bytes = self.hierarchy.device_bytes  # what was allocated
-        assert self.device_pool_bytes == device_pool_bytes(plans, staging), \
+        assert self.device_pool_bytes == self.pool_plan.device_bytes, \
             "the hierarchy allocated other sizes than pool_sizing planned"
         self.failures = Failures(self.hierarchy, self.requests)
         self.admissions = self.admissions_cls(self.hierarchy, self.layers, self.vllm_cache,
