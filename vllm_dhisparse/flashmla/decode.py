@@ -111,40 +111,44 @@ class RoutedDecode:
         n = block_table.shape[0]
         st = self.parts.state
         dev = local.device
-        req = token_to_req.long().clamp(max=n - 1)  # [T] (padding tokens may name any row)
-        slot = R.req_slots(self.slot_by_block, block_table, seq_lens,
-                           L.ROWS_PER_BLOCK * 4)  # [N] int32
-        row = torch.where(is_valid, req, n)  # [T] batch row; invalid tokens -> padding row N
-        # a row without a valid token is graph padding, whatever its stale table entries say
-        has_token = torch.zeros(n + 1, dtype=torch.bool, device=dev).index_fill_(0, row, True)
-        held = (slot >= 0) & has_token[:n]
-        slot = torch.where(held, slot, -1)
-        safe = slot.long().clamp(min=0)
+        req = token_to_req.long().clamp(max=n - 1)  # [T] (padding tokens may name any batch row)
+        req_slot = R.req_slots(self.slot_by_block, block_table, seq_lens,
+                               L.ROWS_PER_BLOCK * 4)  # [N] int32
+        batch_row = torch.where(is_valid, req, n)  # [T]; invalid tokens -> padding batch row N
+        # a batch row without a valid token is graph padding, whatever its stale table entries say
+        has_token = torch.zeros(n + 1, dtype=torch.bool,
+                                device=dev).index_fill_(0, batch_row, True)
+        held = (req_slot >= 0) & has_token[:n]
+        req_slot = torch.where(held, req_slot, -1)
+        safe = req_slot.long().clamp(min=0)
         committed = torch.where(held, st.seq_lens[safe], 0)  # [N] int32 rows in the hierarchy
         written = torch.div(seq_lens.long(), 4, rounding_mode="floor")  # [N] rows vLLM holds
         fresh_n = torch.where(held, (written - committed).clamp(min=0), 0)  # [N]
-        self.lost_by_slot.index_add_(0, torch.where(held, slot, self.staging.shape[0]).long(),
-                                     (fresh_n - self.fresh_rows).clamp(min=0))
+        self.lost_by_slot.index_add_(
+            0, torch.where(held, req_slot, self.staging.shape[0]).long(),
+            (fresh_n - self.fresh_rows).clamp(min=0))
         fresh_n = fresh_n.clamp(max=self.fresh_rows).to(torch.int32)
         fresh_dst = self.staging[safe, -self.fresh_rows:]  # [N, F] int32
         self._copy_fresh(vllm_cache, block_table, committed, fresh_n, fresh_dst)
 
         pos = torch.arange(t, device=dev) - query_start_loc.long()[req]
         j = torch.where(is_valid, pos, 0).clamp(min=0)  # [T] query index within its request
-        tok_slot = torch.where(is_valid & (j < self.max_queries), slot[req],
-                               -1)  # [T]
-        self.counters[COUNTER_UNROUTED] += (is_valid & (tok_slot < 0)).sum()
+        tok_req_slot = torch.where(is_valid & (j < self.max_queries), req_slot[req],
+                                   -1)  # [T]
+        self.counters[COUNTER_UNROUTED] += (is_valid & (tok_req_slot < 0)).sum()
         j = j.clamp(max=self.max_queries - 1)
-        row = torch.where(tok_slot >= 0, row, n)
+        batch_row = torch.where(tok_req_slot >= 0, batch_row, n)
         tok_committed = committed[req].view(t, 1)  # [T, 1]
-        fresh = (local >= tok_committed) & (tok_slot >= 0).view(t, 1)  # [T, k]
+        fresh = (local >= tok_committed) & (tok_req_slot >= 0).view(t, 1)  # [T, k]
         self.counters[COUNTER_FRESH] += fresh.sum()
-        self.counters[COUNTER_SELECTED] += ((local >= 0) & (tok_slot >= 0).view(t, 1)).sum()
+        routed = (tok_req_slot >= 0).view(t, 1)  # [T, 1]
+        self.counters[COUNTER_SELECTED] += ((local >= 0) & routed).sum()
         committed_sel = torch.where(fresh, -1, local)
-        # tokens -> [N + 1, K_max, k]; unrouted tokens all land in padding row N (slot -1)
+        # tokens -> [N + 1, K_max, k]; unrouted tokens all land in padding batch row N
+        # (request slot -1)
         sel = torch.full((n + 1, self.max_queries, k), -1, dtype=torch.int32, device=dev)
-        sel[row, j] = committed_sel.to(torch.int32)
-        req_slots = torch.cat([slot, torch.full((1,), -1, dtype=torch.int32, device=dev)])
+        sel[batch_row, j] = committed_sel.to(torch.int32)
+        req_slots = torch.cat([req_slot, torch.full((1,), -1, dtype=torch.int32, device=dev)])
         need = self.parts.resolver.staging_columns(self.max_queries, k)
         overflow = None
         if need:
@@ -154,13 +158,13 @@ class RoutedDecode:
             overflow = self.staging[torch.cat([safe, safe[:1]]), :need]  # [N + 1, need]
         loc, _ = self.hierarchy.resolve_req_slots(self.source, req_slots.contiguous(), sel,
                                                   overflow)
-        loc = loc[row, j]  # [T, k]
+        loc = loc[batch_row, j]  # [T, k]
         off = (local.long() - tok_committed).clamp(0, self.fresh_rows - 1)
         fresh_loc = torch.gather(fresh_dst[req], 1, off)  # [T, k]
         # a fresh row past the copied ones was lost above: it reads nothing
         fresh_ok = off < fresh_n[req].view(t, 1).long()
         loc = torch.where(fresh, torch.where(fresh_ok, fresh_loc, -1), loc)
-        loc = torch.where((tok_slot >= 0).view(t, 1), loc, -1)
+        loc = torch.where((tok_req_slot >= 0).view(t, 1), loc, -1)
         return loc.to(torch.int32), R.topk_lengths(local, is_valid)
 
     def _copy_fresh(self, cache, block_table, committed, count, dst) -> None:
