@@ -80,6 +80,16 @@ def test_counters_are_read_and_reset():
         assert got["fresh_rows_lost"] == 3 and got["lost_requests"] == {"a"}, got
         assert (got["selected"], got["fresh_selections"]) == (3, 0), got  # "b" routed now
         assert b.take_counters()["lost_requests"] == set()
+        # "a" selects rows 80 and 84 of this step: 80 is staged, 84 did not fit (served
+        # as nothing, its request failed): counted as the CPU layers count, served rows
+        b.write_tables([(a, 340), (c, 100)])
+        loc, _ = routed.locations(
+            torch.tensor([[80, 84, 3, -1], [1, -1, -1, -1]], dtype=torch.int32),
+            torch.tensor([0, 1]), torch.tensor([0, 1, 2]), table, torch.tensor([340, 100]),
+            torch.tensor([True, True]), cache)
+        assert loc[0, 0] >= 0 and loc[0, 1] == -1, loc  # never another staged row
+        got = b.take_counters()
+        assert (got["selected"], got["fresh_selections"]) == (3, 1), got
     finally:
         b.close()
 

@@ -139,10 +139,8 @@ class RoutedDecode:
         j = j.clamp(max=self.max_queries - 1)
         batch_row = torch.where(tok_req_slot >= 0, batch_row, n)
         tok_committed = committed[req].view(t, 1)  # [T, 1]
-        fresh = (local >= tok_committed) & (tok_req_slot >= 0).view(t, 1)  # [T, k]
-        self.counters[COUNTER_FRESH] += fresh.sum()
         routed = (tok_req_slot >= 0).view(t, 1)  # [T, 1]
-        self.counters[COUNTER_SELECTED] += ((local >= 0) & routed).sum()
+        fresh = (local >= tok_committed) & routed  # [T, k]
         committed_sel = torch.where(fresh, -1, local)
         # tokens -> [N + 1, K_max, k]; unrouted tokens all land in padding batch row N
         # (request slot -1)
@@ -159,10 +157,14 @@ class RoutedDecode:
         loc, _ = self.hierarchy.resolve_req_slots(self.source, req_slots.contiguous(), sel,
                                                   overflow)
         loc = loc[batch_row, j]  # [T, k]
-        off = (local.long() - tok_committed).clamp(0, self.fresh_rows - 1)
-        fresh_loc = torch.gather(fresh_dst[req], 1, off)  # [T, k]
-        # a fresh row past the copied ones was lost above: it reads nothing
-        fresh_ok = off < fresh_n[req].view(t, 1).long()
+        ahead = local.long() - tok_committed  # [T, k] rows past the committed ones
+        fresh_loc = torch.gather(fresh_dst[req], 1, ahead.clamp(0, self.fresh_rows - 1))
+        # a fresh row past the copied ones was lost above: it reads nothing (the clamped
+        # offset would name another staged row)
+        fresh_ok = ahead < fresh_n[req].view(t, 1).long()
+        # counted as the CPU layers count: rows served (a lost one fails its request)
+        self.counters[COUNTER_FRESH] += (fresh & fresh_ok).sum()
+        self.counters[COUNTER_SELECTED] += ((local >= 0) & routed & ~(fresh & ~fresh_ok)).sum()
         loc = torch.where(fresh, torch.where(fresh_ok, fresh_loc, -1), loc)
         loc = torch.where((tok_req_slot >= 0).view(t, 1), loc, -1)
         return loc.to(torch.int32), R.topk_lengths(local, is_valid)

@@ -51,8 +51,10 @@ class DecodeBinding:
     def write_tables(self, decoding: list[tuple[TrackedRequest, int]]) -> None:
         """``decoding``: (admitted request, its tokens once this step's are computed)."""
         for name, routed in self.routed.items():
-            # counters are per step: what vLLM's warm-up and capture runs added is not one
-            routed.counters.zero_()
+            # what vLLM's warm-up and capture runs found unrouted or lost is no step's; the
+            # selections stay, as the resolver's census keeps what such runs resolved (with
+            # no table written they select nothing of a request slot)
+            routed.counters[D.COUNTER_UNROUTED].zero_()
             routed.lost_by_slot.zero_()
             layer = self.layers[name]
             block_tokens = layer.rows_per_block * layer.compress_ratio
