@@ -5,7 +5,8 @@
     {"benchmark": "needle", "config": "cpu", "commit": "f96004a", "date": "2026-12-04",
      "machine": "CPU x86_64", "metrics": {...}, "files": ["needle_2026-12-04_f96004a.json"]}
 
-``files`` are under ``results/``.  A benchmark that has an extractor here appends its record
+``files`` are under ``results/``; ``meta_commit`` (only where present) is the commit a
+result's own metadata named when its file name says otherwise.  A benchmark that has an extractor here appends its record
 when it writes its result (:func:`append_from`); the README's results table is rendered from
 the latest record of each (benchmark, config) the headlines name, so every number there
 names its record.
@@ -74,7 +75,7 @@ def _capacity(doc: dict) -> tuple[str, dict]:
 
 def _gpu_connector(doc: dict) -> tuple[str, dict]:
     cmp = doc["comparisons"]
-    same = lambda pair: sum(c["identical"] for c in cmp.get(pair, {}).values())  # noqa: E731
+    same = lambda pair: sum(c["identical"] for c in cmp[pair].values())  # noqa: E731
     census = doc["arms"]["connector"]["scenarios"]["batch"]["census"]
     return "graphs", dict(
         resident_bitwise_with_itself=cmp["resident_vs_itself"]["identical"],
@@ -122,13 +123,17 @@ def record_from(benchmark: str, files: list[str]) -> dict:
     date = (meta.get("date_utc") or doc.get("date", ""))[:10]
     # "+..." marks a run of a tree the commit did not hold; kept, so the record says so
     commit = meta.get("git_commit") or doc.get("commit", "")
-    named = files[0].rsplit(".", 1)[0].split("_")
-    if len(named) > 1 and re.fullmatch(r"[0-9a-f]{7}", named[-1]) \
-            and not commit.startswith(named[-1]):
-        commit = named[-1]  # the file names the run's commit where its meta was stale
+    named = re.search(r"_\d{4}-\d{2}-\d{2}_([0-9a-f]{7,40})(?:_|\.|$)", files[0])
+    stale = None
+    if named and not commit.startswith(named.group(1)):
+        # the file names the run's commit where its meta was stale (NOTES.md says why)
+        stale, commit = commit, named.group(1)
     machine = _machine(meta) if meta else doc.get("device", "?")
-    return dict(benchmark=benchmark, config=config, commit=commit, date=date,
-                machine=machine, metrics=metrics, files=list(files))
+    rec = dict(benchmark=benchmark, config=config, commit=commit, date=date,
+               machine=machine, metrics=metrics, files=list(files))
+    if stale:
+        rec["meta_commit"] = stale
+    return rec
 
 
 def append_from(benchmark: str, files: list[str], ledger: Path = LEDGER) -> dict:
