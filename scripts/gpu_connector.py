@@ -226,11 +226,8 @@ def llm_child(args) -> None:
     calls = count_python_decodes() if args.connector else None
     kw = engine_kwargs(args)
     if args.connector:
-        if args.eager:  # CUDA without graphs: what the package's connector serves
-            from vllm_dhisparse.engine_args import engine_args
-        else:  # CUDA graphs: the measuring subclass (support.py says why)
-            from gpu_measure import engine_args
-        kw.update(engine_args(json.loads(args.connector)))
+        from gpu_measure import engine_args
+        kw.update(engine_args(json.loads(args.connector), eager=args.eager))
     t0 = time.time()
     llm = LLM(model=args.model, **kw)
     vc = llm.llm_engine.vllm_config
@@ -291,12 +288,9 @@ def serve_arm(args, connector: bool, log_path: str) -> dict:
            "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", str(args.kv_bytes)]
     if args.eager:
         cmd += ["--enforce-eager"]
-    if connector and args.eager:  # CUDA without graphs: what the package's connector serves
-        from vllm_dhisparse.engine_args import server_args
-        cmd += server_args(json.loads(args.extra))
-    elif connector:  # CUDA graphs: the measuring subclass (support.py says why)
+    if connector:
         from gpu_measure import server_args
-        cmd += server_args(json.loads(args.extra))
+        cmd += server_args(json.loads(args.extra), eager=args.eager)
     log = open(log_path, "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -367,7 +361,7 @@ def cuda() -> bool:
 def arm_env(connector: bool, in_process: bool) -> dict:
     global _PLUGIN_DIR
     env = dict(os.environ)
-    paths = [ROOT, os.path.join(ROOT, "scripts")]  # gpu_measure: the measured connector
+    paths = [ROOT, os.path.join(ROOT, "scripts")]  # gpu_measure: the connector measured
     if connector:
         if _PLUGIN_DIR is None:
             _PLUGIN_DIR = plugin_path()

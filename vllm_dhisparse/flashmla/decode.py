@@ -162,11 +162,12 @@ class RoutedDecode:
         # a fresh row past the copied ones was lost above: it reads nothing (the clamped
         # offset would name another staged row)
         fresh_ok = ahead < fresh_n[req].view(t, 1).long()
+        lost = fresh & ~fresh_ok  # [T, k]
         # counted as the CPU layers count: rows served (a lost one fails its request)
         self.counters[COUNTER_FRESH] += (fresh & fresh_ok).sum()
-        self.counters[COUNTER_SELECTED] += ((local >= 0) & routed & ~(fresh & ~fresh_ok)).sum()
+        self.counters[COUNTER_SELECTED] += ((local >= 0) & routed & ~lost).sum()
         loc = torch.where(fresh, torch.where(fresh_ok, fresh_loc, -1), loc)
-        loc = torch.where((tok_req_slot >= 0).view(t, 1), loc, -1)
+        loc = torch.where(routed, loc, -1)
         return loc.to(torch.int32), R.topk_lengths(local, is_valid)
 
     def _copy_fresh(self, cache, block_table, committed, count, dst) -> None:
