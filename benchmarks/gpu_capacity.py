@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 LENGTHS = (32768, 65536, 131072)
 MAX_LEN = 135168
 EXTRA = {"host_pool_gib": 6.0}  # every running request's history fits the host pool
+BINS = ((1, 4), (5, 8), (9, 16), (17, 24), (25, 32), (33, 48), (49, 64), (65, 96), (97, 128))
 
 
 def model_dir(src: str, max_len: int) -> str:
@@ -78,9 +79,17 @@ def child(args) -> None:
                              generator=g).tolist() for i in range(n_req)]
     params = SamplingParams(temperature=0.0, max_tokens=args.out_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2))
+    preempted = [0]
+    upstream_preempt = sched._preempt_request
+
+    def counted_preempt(*a, **kw):  # vLLM's scheduler preempts when blocks run out
+        preempted[0] += 1
+        return upstream_preempt(*a, **kw)
+    sched._preempt_request = counted_preempt
     t0 = time.perf_counter()
     arrival, first, last, seen, itl = {}, {}, {}, {}, []
     timeline, added, total_out = [], 0, 0
+    decode_steps: dict[int, list[float]] = {}  # decoding requests -> pure decode step times
     while time.perf_counter() - t0 < args.arm_s:
         now = time.perf_counter() - t0
         while added < n_req and added / args.rate <= now:
@@ -93,6 +102,10 @@ def child(args) -> None:
                 break
             time.sleep(0.001)
             continue
+        # a step with no request in prefill, before or after it, is a pure decode step
+        pure_before = not sched.waiting and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        t_step = time.perf_counter()
         outs = engine.step()
         t = time.perf_counter()
         for o in outs:
@@ -107,8 +120,10 @@ def child(args) -> None:
             last[o.request_id], seen[o.request_id] = t, n
             total_out += new
         decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        if pure_before and decoding == len(sched.running) and not sched.waiting and decoding:
+            decode_steps.setdefault(decoding, []).append(t - t_step)
         timeline.append((round(t - t0, 4), decoding, len(sched.running), len(sched.waiting),
-                         total_out))
+                         total_out, round(sched.kv_cache_manager.usage, 4), preempted[0]))
     dur = time.perf_counter() - t0
     in_window = [x for x in timeline if x[0] <= args.arrive_s]
     ttft = [first[r] - arrival[r] for r in first]
@@ -123,6 +138,14 @@ def child(args) -> None:
                                                / max(1, len(in_window) - len(in_window) // 2), 1),
                ttft_s={q: pct(ttft, q) for q in (0.5, 0.9, 0.99)},
                itl_ms={q: (pct(itl, q) or 0) * 1e3 for q in (0.5, 0.9, 0.99)},
+               max_kv_usage=max((x[5] for x in timeline), default=0.0),
+               preemptions=preempted[0],
+               # median pure-decode step per concurrency bin: latency at equal concurrency
+               decode_step_ms={f"{lo}-{hi}": round(pct(xs, 0.5) * 1e3, 2) for lo, hi, xs in (
+                   (lo, hi, [d for n, ds in decode_steps.items() if lo <= n <= hi for d in ds])
+                   for lo, hi in BINS) if xs},
+               decode_steps_per_bin={f"{lo}-{hi}": sum(len(ds) for n, ds in decode_steps.items()
+                                                       if lo <= n <= hi) for lo, hi in BINS},
                timeline=timeline[::max(1, len(timeline) // 400)])
     from gpu_connector import worker_summary
     tot = worker_summary()
@@ -140,12 +163,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "needle_v4"),
                     help="a model directory whose config and tokenizer are used")
     ap.add_argument("--out", default="/tmp/gpu_capacity")
-    ap.add_argument("--kv-bytes", type=int, default=8 << 30)
+    ap.add_argument("--kv-bytes", type=int, default=3 << 29,
+                    help="kv_cache_memory_bytes of both arms (default 1.5 GiB: vLLM needs ~1.2 GiB for one 132K request in prefill)")
     ap.add_argument("--max-len", type=int, default=MAX_LEN, help="max_model_len (positions)")
-    ap.add_argument("--max-seqs", type=int, default=128)
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
-    ap.add_argument("--arrive-s", type=float, default=60.0)
-    ap.add_argument("--arm-s", type=float, default=120.0, help="seconds each arm runs at most")
+    ap.add_argument("--max-seqs", type=int, default=96)
+    ap.add_argument("--rate", type=float, default=0.5,
+                    help="requests per second (below the prefill rate, so memory binds)")
+    ap.add_argument("--arrive-s", type=float, default=150.0)
+    ap.add_argument("--arm-s", type=float, default=170.0, help="seconds each arm runs at most")
     ap.add_argument("--out-tokens", type=int, default=2048)
     ap.add_argument("--scale", type=float, default=1.0, help="prompt lengths times this")
     ap.add_argument("--extra", default=json.dumps(EXTRA))
@@ -191,7 +216,11 @@ def main(argv=None) -> int:
     if r.get("max_decoding") and c.get("max_decoding"):
         doc["ratios"] = dict(
             max_decoding=round(c["max_decoding"] / r["max_decoding"], 2),
-            output_tokens_per_s=round(c["output_tokens_per_s"] / r["output_tokens_per_s"], 2))
+            output_tokens_per_s=round(c["output_tokens_per_s"] / r["output_tokens_per_s"], 2),
+            # connector / resident median pure-decode step where both ran that concurrency
+            decode_step_at_equal_concurrency={
+                b: round(c["decode_step_ms"][b] / r["decode_step_ms"][b], 3)
+                for b in r.get("decode_step_ms", {}) if b in c.get("decode_step_ms", {})})
     with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
         json.dump(doc, f, indent=1)
     plot(doc, os.path.join(args.out, "gpu_capacity.png"))
@@ -206,15 +235,19 @@ def plot(doc: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     for arm, r in doc["arms"].items():
         tl = r.get("timeline") or []
         ax.plot([x[0] for x in tl], [x[1] for x in tl], label=arm)
-    ax.set_xlabel("s")
+        if tl and len(tl[0]) > 5:  # vLLM's KV block usage
+            ax2.plot([x[0] for x in tl], [x[5] for x in tl], label=arm)
     ax.set_ylabel("decoding requests")
-    ax.set_title(f"same KV budget ({doc['kv_cache_memory_bytes'] / 2**30:.1f} GiB), "
+    ax.set_title(f"same KV budget ({doc['kv_cache_memory_bytes'] / 2**30:.2f} GiB), "
                  f"{doc['rate']} req/s of 32K/64K/128K tokens")
     ax.legend()
+    ax2.set_xlabel("s")
+    ax2.set_ylabel("vLLM KV usage")
+    ax2.set_ylim(0, 1.05)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -84,6 +84,11 @@ def run_arm(model: str, arm: str, prompts: list[dict], max_num_seqs: int, log: P
            "--max-model-len", str(max(len(p["ids"]) for p in prompts) + 64),
            "--max-num-seqs", str(max_num_seqs)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if on_cuda():  # vLLM alone for resident, the package's plugin for the connector arms
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from gpu_connector import arm_env
+        env = arm_env(ARMS[arm] is not None, in_process=True)
+        cmd += ["--gpu-share", "0.15"]  # beside another engine on the GPU
     if ARMS[arm] is not None:
         cmd += ["--connector", json.dumps(ARMS[arm])]
     if arm == "control":
@@ -99,6 +104,11 @@ def run_arm(model: str, arm: str, prompts: list[dict], max_num_seqs: int, log: P
             res["wall_s"] = round(time.time() - t0, 1)
             return res
     raise SystemExit(f"{arm} run failed (rc={proc.returncode}), log: {log}")
+
+
+def on_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def answered(out: dict, p: dict) -> bool:
@@ -178,7 +188,7 @@ def plot(res: dict, path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "needle_v4"))
-    ap.add_argument("--out", required=True, help="results path without extension")
+    ap.add_argument("--out", default=None, help="results path without extension")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 6144, 8000])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--per-cell", type=int, default=2)
@@ -186,32 +196,52 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--ablation", action="store_true",
                     help="also the HF ablation of the pass key's top-k entries")
+    ap.add_argument("--together", action="store_true",
+                    help="one engine per arm for the prompts of every length (an engine start "
+                         "per arm instead of per arm and length: the GPU run)")
+    ap.add_argument("--write-prompts", default=None, metavar="FILE",
+                    help="only write the prompts as JSON (for a machine whose Python's "
+                         "docstrings, the filler text, differ: the GPU's)")
+    ap.add_argument("--prompts", default=None, metavar="FILE",
+                    help="the prompts --write-prompts wrote, instead of making them here")
     args = ap.parse_args()
+    if args.prompts:
+        with open(args.prompts) as f:
+            prompts = json.load(f)
+    else:
+        prompts = make_prompts(args.model, args.lengths, args.depths, args.per_cell, args.seed)
+    if args.write_prompts:
+        with open(args.write_prompts, "w") as f:
+            json.dump(prompts, f)
+        return 0
+    if args.out is None:
+        ap.error("--out is required (or --write-prompts)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(args.model, args.lengths, args.depths, args.per_cell, args.seed)
     res = dict(meta=metadata(), model=args.model, lengths=args.lengths, depths=args.depths,
                per_cell=args.per_cell, arms=ARMS, runs={}, cells=[])
     per_prompt = {arm: [None] * len(prompts) for arm in ARMS}
-    for length in args.lengths:
-        idx = [i for i, p in enumerate(prompts) if p["length"] == length]
+    res["together"] = args.together
+    for group in ([args.lengths] if args.together else [[n] for n in args.lengths]):
+        idx = [i for i, p in enumerate(prompts) if p["length"] in group]
+        tag = "all" if args.together else str(group[0])
         for arm in ARMS:
             r = run_arm(args.model, arm, [prompts[i] for i in idx], args.max_num_seqs,
-                        out.parent / f"{out.name}_{arm}_{length}.log")
+                        out.parent / f"{out.name}_{arm}_{tag}.log")
             totals = (r.get("stats") or {}).get("totals", {})
-            res["runs"][f"{arm}/{length}"] = dict(
+            res["runs"][f"{arm}/{tag}"] = dict(
                 wall_s=r["wall_s"], max_running=r["max_running"], totals=totals,
                 prefix_caching=r["prefix_caching"], chunked_prefill=r["chunked_prefill"])
             for i, o in zip(idx, r["outputs"]):
                 per_prompt[arm][i] = o
-            print(f"{arm:9s} {length:5d}: "
+            print(f"{arm:9s} {tag:>5s}: "
                   f"{sum(answered(per_prompt[arm][i], prompts[i]) for i in idx)}/{len(idx)} "
                   f"answered ({r['wall_s']} s)", flush=True)
     # the first prompt of every cell (HF's eager float32 forward is slow on CPU)
     abl = ablation(args.model, prompts[::args.per_cell]) if args.ablation else []
     res["ablation"] = abl
     for length in args.lengths:
-        host = res["runs"][f"connector/{length}"]["totals"]
+        host = res["runs"][f"connector/{'all' if args.together else length}"]["totals"]
         for depth in args.depths:
             idx = [i for i, p in enumerate(prompts)
                    if p["length"] == length and p["depth"] == depth]

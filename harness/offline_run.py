@@ -53,6 +53,10 @@ def build_llm(args, stats_file: str | None):
     elif args.kv_cache_bytes:
         # vLLM's KV pool in bytes (all groups share one pool of equal-size blocks)
         kw.update(kv_cache_memory_bytes=args.kv_cache_bytes)
+    if args.gpu_share:
+        # on CUDA vLLM checks at start that this share of the GPU is free, also where the
+        # KV pool is given in bytes: a small share lets engines run side by side
+        kw.update(gpu_memory_utilization=args.gpu_share)
     if args.num_gpu_blocks:
         kw.update(num_gpu_blocks_override=args.num_gpu_blocks)
         kw.setdefault("kv_cache_memory_bytes", 2**30)
@@ -281,6 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-bytes", type=int, default=2 * 2**30,
                     help="vLLM KV pool size in bytes (kv_cache_memory_bytes; default 2 GiB); "
                          "ignored when --kv-fraction is given")
+    ap.add_argument("--gpu-share", type=float, default=0.0,
+                    help="CUDA: gpu_memory_utilization beside --kv-cache-bytes (the share vLLM "
+                         "checks is free at start; 0 = vLLM's default)")
     ap.add_argument("--num-gpu-blocks", type=int, default=0,
                     help="vLLM KV pool size in blocks (num_gpu_blocks_override); 0 = from the bytes")
     ap.add_argument("--prefix-caching", action="store_true",

@@ -112,11 +112,43 @@ def scramble(locs: torch.Tensor) -> None:
         locs.copy_(torch.where(valid, (locs + max(1, rows // 2)) % rows, locs))
 
 
+def faulty_locations(locations, faults: dict):
+    """The routed FlashMLA decode's ``locations`` (CUDA, flashmla/decode.py) with the
+    global location faults applied; eager runs only (the faults read the device)."""
+    @functools.wraps(locations)
+    def wrapped(*args, **kwargs):
+        locs, lens = locations(*args, **kwargs)
+        locs = locs.clone()
+        if "corrupt" in faults:
+            corrupt_one(locs)
+        if "scramble" in faults:
+            scramble(locs)
+        return locs, lens
+    return wrapped
+
+
+class FaultyWorkerSide(WorkerSide):
+    """Location faults reach the routed decode where it resolves on the device (CUDA);
+    the CPU layers resolve through :class:`FaultyContext`."""
+
+    def __init__(self, *args, faults: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.faults = faults
+
+    def register_kv_caches(self, *args, **kwargs) -> None:
+        super().register_kv_caches(*args, **kwargs)
+        binding = getattr(self.decode, "binding", None)
+        if binding is not None and any(p in self.faults for p in GLOBAL):
+            for routed in binding.routed.values():
+                routed.locations = faulty_locations(routed.locations, self.faults)
+
+
 def faulty_worker_side(*args, faults: dict, **kwargs) -> WorkerSide:
     """A worker half whose admission, commits and resolves fail where ``faults`` say."""
-    return WorkerSide(*args, context_cls=functools.partial(FaultyContext, faults=faults),
-                      admissions_cls=functools.partial(FaultyAdmissions, faults=faults),
-                      **kwargs)
+    return FaultyWorkerSide(*args, faults=faults,
+                            context_cls=functools.partial(FaultyContext, faults=faults),
+                            admissions_cls=functools.partial(FaultyAdmissions, faults=faults),
+                            **kwargs)
 
 
 class FaultInjectingConnector(DHiSparseConnector):

@@ -514,3 +514,25 @@ def test_on_cuda_the_census_counts_what_the_graph_captured_decode_selected():
     after = w.summary()["totals"]
     assert after["selected"] - before["selected"] == 40
     assert after["direct"] - before["direct"] == 3
+
+
+def test_location_faults_reach_the_routed_decode_on_cuda():
+    """The needle benchmark's control on the GPU: the fault injector's scramble moves every
+    location the routed FlashMLA decode computes (padding stays -1), nothing else."""
+    from types import SimpleNamespace
+    from tests.fault_injection import FaultyWorkerSide
+    got = torch.tensor([[0, 5, 7, -1], [3, -1, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([3, 1], dtype=torch.int32)
+    routed = SimpleNamespace(locations=lambda *a: (got.clone(), lens))
+    w = faulty_worker_side(DHiSparseConfig(hot_cache_rows=4, host_pool_gib=0.001),
+                           LAYERS, faults={"scramble": ("",)}, max_model_len=128,
+                           max_num_seqs=2, max_spec_queries=1, device=torch.device("cpu"))
+    assert isinstance(w, FaultyWorkerSide)
+    w.decode = SimpleNamespace(binding=SimpleNamespace(routed={"l0": routed}))
+    w.register_kv_caches({layer.name: torch.zeros(NUM_BLOCKS, layer.rows_per_block
+                                                   * layer.row_bytes, dtype=torch.uint8)
+                          for layer in LAYERS})
+    locs, out_lens = routed.locations()
+    valid = got >= 0
+    assert torch.equal(out_lens, lens) and torch.equal(locs[~valid], got[~valid])
+    assert torch.equal(locs[valid], (got[valid] + 4) % 8)  # half the used rows away
