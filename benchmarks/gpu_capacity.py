@@ -54,6 +54,17 @@ def model_dir(src: str, max_len: int) -> str:
     return d
 
 
+def layout(cfg) -> dict:
+    """vLLM's KV pool: every block id, whatever its group, costs ``block_stride`` bytes;
+    a group's block covers ``block_size`` tokens (sliding-window groups keep a few)."""
+    strides = sorted({getattr(t, "block_stride", None) for t in cfg.kv_cache_tensors} - {None})
+    return dict(num_blocks=cfg.num_blocks, block_stride=strides,
+                groups=[dict(spec=type(g.kv_cache_spec).__name__, layers=len(g.layer_names),
+                             block_size=g.kv_cache_spec.block_size,
+                             sliding_window=getattr(g.kv_cache_spec, "sliding_window", None))
+                        for g in cfg.kv_cache_groups])
+
+
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -69,10 +80,11 @@ def child(args) -> None:
               max_num_seqs=args.max_seqs, seed=0, gpu_memory_utilization=0.15,
               kv_cache_memory_bytes=args.kv_bytes)
     if args.connector:
-        from gpu_measure import engine_args  # the connector measured on CUDA
+        from gpu_measure import engine_args
         kw.update(engine_args(json.loads(args.connector)))
     llm = LLM(**kw)
     engine, sched = llm.llm_engine, in_process_scheduler(llm)
+    kv_layout = layout(sched.kv_cache_config)
     g = torch.Generator().manual_seed(0)
     n_req = int(args.rate * args.arrive_s)
     prompts = [torch.randint(3, 512, (int(LENGTHS[i % len(LENGTHS)] * args.scale),),
@@ -146,7 +158,7 @@ def child(args) -> None:
                    for lo, hi in BINS) if xs},
                decode_steps_per_bin={f"{lo}-{hi}": sum(len(ds) for n, ds in decode_steps.items()
                                                        if lo <= n <= hi) for lo, hi in BINS},
-               timeline=timeline[::max(1, len(timeline) // 400)])
+               kv_layout=kv_layout, timeline=timeline[::max(1, len(timeline) // 400)])
     from gpu_connector import worker_summary
     tot = worker_summary()
     if tot is not None:

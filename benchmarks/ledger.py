@@ -41,20 +41,33 @@ def _machine(meta: dict) -> str:
 def _needle(doc: dict) -> tuple[str, dict]:
     s, cells = doc["summary"], doc["cells"]
     n = len(cells) * doc["per_cell"]
-    return "cpu", dict(prompts=n, resident=round(s["resident"] * n),
-                       connector=round(s["connector"] * n), control=round(s["control"] * n),
-                       outputs="identical" if s["connector_equals_resident"] else "different")
+    config = "cpu" if _machine(doc.get("meta", {})).startswith("CPU") else "gpu"
+    same_tokens = sum(p["connector"]["token_ids"] == p["resident"]["token_ids"]
+                      for p in doc["prompts"])
+    return config, dict(prompts=n, resident=round(s["resident"] * n),
+                        connector=round(s["connector"] * n), control=round(s["control"] * n),
+                        same_tokens=same_tokens,
+                        outputs="identical" if s["connector_equals_resident"] else "different")
 
 
 def _gpu_audit(doc: dict) -> tuple[str, dict]:
+    """Calls that serve requests; vLLM's warm-up (dummy batches before the first request,
+    of which the routed decode serves none) apart."""
     arm = doc["arms"]["connector"]
     t, extra = arm["worker_totals"], doc["extra_config"]
     selected = t["direct"] + t["hot"] + t["host"]
-    in_scenarios = sum(s.get("routed_decode_python_eager", 0) for s in arm["scenarios"].values())
+    audit = arm["audit"]
+    start = arm.get("audit_at_start")
+    if start is None:  # an eager run that counted warm-up only by the scenarios' calls;
+        # any unequal call is put among the serving ones
+        warm = audit["calls"] - sum(s.get("routed_decode_python_eager", 0)
+                                    for s in arm["scenarios"].values())
+        start = dict(calls=warm, equal=warm, tokens=0, replayed_calls=0)
     return arm["engine"]["cudagraph_mode"].lower(), dict(
-        calls=arm["audit"]["calls"], equal=arm["audit"]["equal"],
-        warmup_calls=arm["audit"]["calls"] - in_scenarios if arm["engine"]["cudagraph_mode"]
-        == "NONE" else None, tokens=arm["audit"]["tokens"],
+        calls=audit["calls"] - start["calls"], equal=audit["equal"] - start["equal"],
+        replayed_calls=audit.get("replayed_calls", 0) - start["replayed_calls"],
+        warmup_calls=start["calls"], warmup_equal=start["equal"],
+        tokens=audit["tokens"] - start["tokens"],  # warm-up's dummy tokens apart
         host_share_pct=round(100 * t["host"] / selected, 1),
         model=Path(doc["model"]).name, hot_cache_rows=extra.get("hot_cache_rows"),
         device_window_tokens=extra.get("device_window_tokens"))
@@ -87,7 +100,7 @@ def _gpu_connector(doc: dict) -> tuple[str, dict]:
 
 def _gpu_capacity(doc: dict) -> tuple[str, dict]:
     r, c = doc["arms"]["resident"], doc["arms"]["connector"]
-    return f"kv{doc['kv_cache_memory_bytes'] >> 30}g_rate{doc['rate']:g}", dict(
+    return f"kv{doc['kv_cache_memory_bytes'] / 2**30:g}g_rate{doc['rate']:g}", dict(
         max_decoding_resident=r["max_decoding"], max_decoding_connector=c["max_decoding"],
         tokens_per_s_resident=r["output_tokens_per_s"],
         tokens_per_s_connector=c["output_tokens_per_s"],
@@ -172,17 +185,25 @@ HEADLINES = (
      "{connector} of {prompts} keys answered with the connector and {resident} of {prompts} "
      "without, tokens and logprobs {outputs}; {control} of {prompts} with a scrambled row "
      "map"),
-    ("exact inside vLLM's GPU engine", ("gpu_connector_audit", "none"),
-     "{equal} of {calls} eager routed decode calls ({warmup_calls} in warm-up) bit-identical "
-     "to upstream's decode on vLLM's blocks, {tokens} tokens, {host_share_pct} % of "
-     "selections from host ({model}, hot cache {hot_cache_rows} rows, device window "
-     "{device_window_tokens})"),
+    ("exact inside vLLM's GPU engine, CUDA graphs on", ("gpu_connector_audit",
+                                                       "full_and_piecewise"),
+     "{equal} of {calls} routed decode calls that served requests ({replayed_calls} replayed "
+     "from FULL graphs) bit-identical to upstream's decode on vLLM's blocks, {tokens} tokens, "
+     "{host_share_pct} % of selections from host ({model}, hot cache {hot_cache_rows} rows)"),
+    ("pass keys on the GPU", ("needle", "gpu"),
+     "{connector} of {prompts} answered with the connector, {resident} of {prompts} without, "
+     "the same tokens in {same_tokens} of {prompts}; {control} of {prompts} with a scrambled "
+     "row map"),
     ("the hierarchy's decode step on the GPU", ("bench_hierarchy_step", "b512_h32768_graph"),
      "{step_ms} ms per step at {sessions} sessions and {context_tokens} tokens of context, "
      "CUDA graph, {host_syncs} host synchronisation"),
     ("more sessions in the same KV memory, CPU", ("capacity", "cpu"),
      "{connector_running} requests at once against resident's {resident_running} in "
      "{kv_mb} MB of KV at {prompt_tokens}-token prompts"),
+    ("sessions in the same KV memory, GPU (not yet more)", ("gpu_capacity", "kv1.5g_rate0.5"),
+     "{max_decoding_connector} requests decoding at once against resident's "
+     "{max_decoding_resident} in 1.5 GiB at 32K-128K-token prompts, {tokens_per_s_connector} "
+     "against {tokens_per_s_resident} output tokens/s (docs/capacity.md says what bounds it)"),
 )
 
 

