@@ -82,30 +82,73 @@ class StagingSpec:
 
 
 def layout_groups(specs: list[SourceSpec]) -> dict[tuple[int, ...], list[SourceSpec]]:
-    """Sources by row layout, in order: each group is one device storage (its pools
-    and its arenas)."""
+    """Sources by row layout, in order."""
     groups: dict[tuple[int, ...], list[SourceSpec]] = {}
     for s in specs:
         groups.setdefault(s.layout, []).append(s)
     return groups
 
 
-def device_rows_per_group(specs: list[SourceSpec], staging: StagingSpec | None
-                          ) -> dict[tuple[int, ...], tuple[int, int]]:
-    """``layout -> (pool rows, arena rows)`` of each shared storage."""
-    out = {}
+# Attention reads a storage as one block of all its rows (flashmla/layout.py), and
+# FlashMLA takes a block's stride as a 32-bit int: no storage may pass this.
+STORAGE_MAX_BYTES = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class StorageGroup:
+    """Sources whose pools share one device storage: ``[pool of each member][arenas][pad]``."""
+    layout: tuple[int, ...]
+    members: tuple[SourceSpec, ...]
+    pool_rows: int  # the members' pools, back to back from row 0
+    arenas: int  # chi arenas of this storage (at most one per member)
+    arena_rows: int  # the arenas, from row pool_rows
+    num_rows: int  # the storage: every storage of one layout has as many (padding at the end)
+
+
+def storage_groups(specs: list[SourceSpec], staging: StagingSpec | None,
+                   max_bytes: int | None = None) -> list[StorageGroup]:
+    """The device storages of ``specs``: one per row layout, or, where that would pass
+    ``max_bytes``, the fewest storages of about equal numbers of consecutive sources, each
+    with its own arenas.  The storages of a layout get equal row counts, so attention sees
+    one block size for every source (FlashMLA plans its schedule once per step for all of
+    them).  Raises ``ValueError`` when a single source's pool cannot fit.  ``max_bytes``:
+    ``STORAGE_MAX_BYTES``."""
+    max_bytes = STORAGE_MAX_BYTES if max_bytes is None else max_bytes
+    out = []
     for layout, members in layout_groups(specs).items():
-        pools = sum(s.device_pages * s.page_size for s in members)
-        arena = staging.arenas * max(s.max_req_slots for s in members) * staging.columns \
-            if staging else 0
-        out[layout] = (pools, arena)
+        row = sum(layout)
+        for count in range(1, len(members) + 1):
+            size, extra = divmod(len(members), count)
+            chunks, at = [], 0
+            for i in range(count):  # the first `extra` chunks take one source more
+                n = size + (i < extra)
+                chunks.append(tuple(members[at:at + n]))
+                at += n
+            groups = [_group(layout, c, staging) for c in chunks]
+            rows = max(g.pool_rows + g.arena_rows for g in groups)
+            if rows * row <= max_bytes:
+                break
+        else:
+            big = max(members, key=lambda m: m.device_pages * m.page_size)
+            raise ValueError(
+                f"source {big.name!r}: {big.device_pages} device pages x {big.page_size} rows x "
+                f"{row} B plus its staging arenas exceed {max_bytes} B, the most one device "
+                f"storage holds (attention reads a storage as one block with a 32-bit stride); "
+                f"lower device_pool_pages, max_num_seqs or hot_cache_rows")
+        out += [dataclasses.replace(g, num_rows=rows) for g in groups]
     return out
 
 
+def _group(layout, members, staging) -> StorageGroup:
+    pools = sum(s.device_pages * s.page_size for s in members)
+    chi = min(staging.arenas, len(members)) if staging else 0
+    arena = chi * max(s.max_req_slots for s in members) * staging.columns if staging else 0
+    return StorageGroup(layout, members, pools, chi, arena, pools + arena)
+
+
 def device_bytes(specs: list[SourceSpec], staging: StagingSpec | None) -> int:
-    """Device bytes a hierarchy of ``specs`` allocates: pools plus arenas."""
-    return sum((pools + arena) * sum(layout)
-               for layout, (pools, arena) in device_rows_per_group(specs, staging).items())
+    """Device bytes a hierarchy of ``specs`` allocates: pools, arenas and padding."""
+    return sum(g.num_rows * sum(g.layout) for g in storage_groups(specs, staging))
 
 
 @dataclass(frozen=True)
