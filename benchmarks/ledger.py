@@ -44,10 +44,21 @@ def _needle(doc: dict) -> tuple[str, dict]:
     config = "cpu" if _machine(doc.get("meta", {})).startswith("CPU") else "gpu"
     same_tokens = sum(p["connector"]["token_ids"] == p["resident"]["token_ids"]
                       for p in doc["prompts"])
-    return config, dict(prompts=n, resident=round(s["resident"] * n),
-                        connector=round(s["connector"] * n), control=round(s["control"] * n),
-                        same_tokens=same_tokens,
-                        outputs="identical" if s["connector_equals_resident"] else "different")
+    metrics = dict(prompts=n, resident=round(s["resident"] * n),
+                   connector=round(s["connector"] * n), control=round(s["control"] * n),
+                   same_tokens=same_tokens,
+                   outputs="identical" if s["connector_equals_resident"] else "different")
+    if "resident2_equals_resident" in s:  # vLLM against itself, the like-with-like baseline
+        metrics["resident2"] = "identical" if s["resident2_equals_resident"] else "different"
+        metrics["max_logprob_diff"] = round(max(_lp_diff(p, "connector") for p in doc["prompts"]), 4)
+        metrics["max_logprob_diff_resident2"] = round(max(_lp_diff(p, "resident2")
+                                                          for p in doc["prompts"]), 4)
+    return config, metrics
+
+
+def _lp_diff(prompt: dict, arm: str) -> float:
+    a, b = prompt[arm]["logprobs"], prompt["resident"]["logprobs"]
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
 def _gpu_audit(doc: dict) -> tuple[str, dict]:
@@ -192,8 +203,9 @@ HEADLINES = (
      "{host_share_pct} % of selections from host ({model}, hot cache {hot_cache_rows} rows)"),
     ("pass keys on the GPU", ("needle", "gpu"),
      "{connector} of {prompts} answered with the connector, {resident} of {prompts} without, "
-     "the same tokens in {same_tokens} of {prompts}; {control} of {prompts} with a scrambled "
-     "row map"),
+     "the same tokens in {same_tokens} of {prompts}, logprobs within {max_logprob_diff} where "
+     "a second resident run is within {max_logprob_diff_resident2}; {control} of {prompts} "
+     "with a scrambled row map"),
     ("the hierarchy's decode step on the GPU", ("bench_hierarchy_step", "b512_h32768_graph"),
      "{step_ms} ms per step at {sessions} sessions and {context_tokens} tokens of context, "
      "CUDA graph, {host_syncs} host synchronisation"),
