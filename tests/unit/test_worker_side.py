@@ -536,3 +536,26 @@ def test_location_faults_reach_the_routed_decode_on_cuda():
     valid = got >= 0
     assert torch.equal(out_lens, lens) and torch.equal(locs[~valid], got[~valid])
     assert torch.equal(locs[valid], (got[valid] + 4) % 8)  # half the used rows away
+
+
+def test_the_counters_go_out_when_the_engine_goes_idle():
+    """On CUDA collections are spaced by stats_interval_s, and only a step carries one: the
+    step vLLM runs only to report the last finished requests collects whatever the
+    interval held back (else a burst's last second reaches /metrics with the next
+    request); a step that still serves requests waits for the interval."""
+    w = make_worker()
+    w.stats_collector = StatsCollector(min_interval_s=3600)
+    assert w.get_kv_connector_stats() is not None  # the first collection
+    run_step(w, 0)
+    assert w.get_kv_connector_stats() is None  # within the interval
+    selected = w.summary()["totals"]["selected"]
+    w.begin_step(DHiSparseMetadata(step=2, requests=[STEPS[1]["meta"].requests[1]],
+                                   finished={"a"}))  # "b" still runs: no flush
+    w.end_step()
+    assert w.get_kv_connector_stats() is None
+    w.begin_step(DHiSparseMetadata(step=3, requests=[], finished={"b"}))
+    w.end_step()
+    stats = w.get_kv_connector_stats()
+    assert stats is not None and stats.data["counters"]["selected_rows"] == selected > 0
+    assert stats.data["gauges"]["admitted_requests"] == 0
+    assert w.get_kv_connector_stats() is None  # back to the interval

@@ -272,7 +272,8 @@ class StatsCollector:
     Reading the resolver's device-side counters forces a host sync, so on CUDA
     collections are spaced by ``min_interval_s`` (``stats_interval_s``: default 1 s on
     CUDA, 0 on CPU); in between ``collect`` answers None and the deltas simply land in
-    the next collection.
+    the next collection.  ``force``: collect now (the engine goes idle, and no step may
+    come to carry them).
     """
 
     def __init__(self, min_interval_s: float | None = None):
@@ -287,13 +288,14 @@ class StatsCollector:
         return ({m.key: read(summary, m.path) for m in COUNTERS},
                 {m.key: read(summary, m.path) for m in GAUGES})
 
-    def collect(self, worker: MetricsSource) -> DHiSparseConnectorStats | None:
+    def collect(self, worker: MetricsSource, force: bool = False
+                ) -> DHiSparseConnectorStats | None:
         if worker.hierarchy is None:
             return None
         if self.min_interval_s is None:
             self.min_interval_s = 0.0 if worker.device.type == "cpu" else 1.0
         now = time.monotonic()
-        if now - self._last_time < self.min_interval_s:
+        if now - self._last_time < self.min_interval_s and not force:
             return None
         self._last_time = now
         counters, gauges = self.cumulative(worker.summary())

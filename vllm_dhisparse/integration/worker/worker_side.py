@@ -73,6 +73,7 @@ class WorkerSide(WorkerReport):
         self.time_resolve = cfg.resolve_timing == "on" or (
             cfg.resolve_timing == "auto" and device.type == "cpu")
         self.stats_collector = StatsCollector(cfg.stats_interval_s)
+        self.flush_stats = False  # the next collection ignores the interval
         self.failures: Failures | None = None
         self.admissions: Admissions | None = None
         self.context: StepContext | None = None
@@ -121,10 +122,15 @@ class WorkerSide(WorkerReport):
     def begin_step(self, meta: DHiSparseMetadata) -> None:
         h, failures, admissions = self.hierarchy, self.failures, self.admissions
         assert h is not None, "register_kv_caches must run before the first step"
+        ended = False
         for req, preempted in self.requests.ended(meta):
+            ended = True
             if req.admitted:
                 (h.preempt if preempted else h.finish)(req.req_id)
             failures.forget(req.req_id)
+        # the last requests ended and nothing runs: vLLM runs this step only to tell the
+        # workers, and no step may follow for a while, so the counters go out now
+        self.flush_stats = self.flush_stats or (ended and not meta.requests)
         self.step_req_ids = [rs.req_id for rs in meta.requests]
         admissions.pending = {}  # a step that raised before appending left nothing behind
         if self.handoff is not None:
@@ -217,5 +223,7 @@ class WorkerSide(WorkerReport):
         return self.failures.take_unreported() if self.failures is not None else {}
 
     def get_kv_connector_stats(self):
-        """Deltas since the previous call, for vLLM's metrics path (stats.py)."""
-        return self.stats_collector.collect(self)
+        """Deltas since the previous call, for vLLM's metrics path (stats.py); spaced by
+        ``stats_interval_s`` except when the engine goes idle."""
+        flush, self.flush_stats = self.flush_stats, False
+        return self.stats_collector.collect(self, force=flush)
