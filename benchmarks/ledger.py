@@ -57,8 +57,15 @@ def _needle(doc: dict) -> tuple[str, dict]:
 
 
 def _lp_diff(prompt: dict, arm: str) -> float:
-    a, b = prompt[arm]["logprobs"], prompt["resident"]["logprobs"]
-    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+    """Largest logprob difference over the tokens both runs share (after the first token
+    that differs, logprobs are of other tokens)."""
+    a, b = prompt[arm], prompt["resident"]
+    out = 0.0
+    for ta, tb, x, y in zip(a["token_ids"], b["token_ids"], a["logprobs"], b["logprobs"]):
+        if ta != tb:
+            break
+        out = max(out, abs(x - y))
+    return out
 
 
 def _gpu_audit(doc: dict) -> tuple[str, dict]:
@@ -73,7 +80,7 @@ def _gpu_audit(doc: dict) -> tuple[str, dict]:
         # any unequal call is put among the serving ones
         warm = audit["calls"] - sum(s.get("routed_decode_python_eager", 0)
                                     for s in arm["scenarios"].values())
-        start = dict(calls=warm, equal=warm, tokens=0, replayed_calls=0)
+        start = dict(calls=warm, equal=warm, tokens=0, replayed_calls=0)  # tokens unknown
     return arm["engine"]["cudagraph_mode"].lower(), dict(
         calls=audit["calls"] - start["calls"], equal=audit["equal"] - start["equal"],
         replayed_calls=audit.get("replayed_calls", 0) - start["replayed_calls"],
@@ -201,7 +208,7 @@ HEADLINES = (
      "{equal} of {calls} routed decode calls that served requests ({replayed_calls} replayed "
      "from FULL graphs) bit-identical to upstream's decode on vLLM's blocks, {tokens} tokens, "
      "{host_share_pct} % of selections from host ({model}, hot cache {hot_cache_rows} rows)"),
-    ("pass keys on the GPU", ("needle", "gpu"),
+    ("pass keys on the GPU (eager engines)", ("needle", "gpu"),
      "{connector} of {prompts} answered with the connector, {resident} of {prompts} without, "
      "the same tokens in {same_tokens} of {prompts}, logprobs within {max_logprob_diff} where "
      "a second resident run is within {max_logprob_diff_resident2}; {control} of {prompts} "

@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # gpu_connector's arm environments (CUDA)
 from vllm_dhisparse import needle as needle_data  # noqa: E402
 
 from benchmarks import ledger  # noqa: E402
@@ -85,7 +86,6 @@ def run_arm(model: str, arm: str, prompts: list[dict], max_num_seqs: int, log: P
            "--max-num-seqs", str(max_num_seqs)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if on_cuda():  # vLLM alone for resident, the package's plugin for the connector arms
-        sys.path.insert(0, str(ROOT / "scripts"))
         from gpu_connector import arm_env
         env = arm_env(ARMS[arm] is not None, in_process=True)
         cmd += ["--gpu-share", "0.15"]  # beside another engine on the GPU
@@ -204,7 +204,7 @@ def main() -> int:
                     help="also the HF ablation of the pass key's top-k entries")
     ap.add_argument("--resident2", action="store_true",
                     help="resident again in its own engine: whether vLLM's tokens and logprobs "
-                         "are bitwise between two of its own runs (not on a GPU engine)")
+                         "are bitwise between two of its own runs (on a GPU they are not)")
     ap.add_argument("--together", action="store_true",
                     help="one engine per arm for the prompts of every length (an engine start "
                          "per arm instead of per arm and length: the GPU run)")
@@ -252,6 +252,7 @@ def main() -> int:
     abl = ablation(args.model, prompts[::args.per_cell]) if args.ablation else []
     res["ablation"] = abl
     for length in args.lengths:
+        # with --together, one run served every length: its totals, not this length's
         host = res["runs"][f"connector/{'all' if args.together else length}"]["totals"]
         for depth in args.depths:
             idx = [i for i, p in enumerate(prompts)

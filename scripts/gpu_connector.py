@@ -213,6 +213,18 @@ def audit_routed_decode():
     return read
 
 
+def routed_selected() -> int | None:
+    """Selections the routed decode served so far, read off its device counters (not yet
+    taken by a step): after vLLM's warm-up, 0 says it served no token of its dummy
+    batches, which belong to no request."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm_dhisparse.flashmla.decode import COUNTER_SELECTED
+    binding = getattr(get_kv_transfer_group().dhisparse_worker.decode, "binding", None)
+    if binding is None:
+        return None
+    return int(sum(int(r.counters[COUNTER_SELECTED]) for r in binding.routed.values()))
+
+
 def worker_summary() -> dict | None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     if not has_kv_transfer_group():
@@ -243,6 +255,8 @@ def llm_child(args) -> None:
     print("ARM_READY", flush=True)
     if audit is not None:
         res["audit_at_start"] = audit()  # warm-up's dummy batches
+    if args.connector:
+        res["routed_selected_at_start"] = routed_selected()
     if calls is not None:
         res["routed_decode_python_at_start"] = dict(calls)
     with open(args.prompt_json) as f:

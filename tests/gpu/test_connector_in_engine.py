@@ -60,6 +60,7 @@ def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path, graph
               *([] if graphs else ["--eager"]))
     arm = doc["arms"]["connector"]
     audit, census = arm["audit_serving"], arm["scenarios"]["batch"]["census"]
+    assert arm["routed_selected_at_start"] == 0  # warm-up: the routed decode served no token
     if graphs:  # the graphs replay the check with the decodes
         assert arm["audit"]["captured_calls"] > 0 and audit["replayed_calls"] > 0, arm["audit"]
     assert audit["calls"] > 0 and audit["equal"] == audit["calls"], audit

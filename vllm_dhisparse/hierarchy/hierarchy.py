@@ -15,9 +15,9 @@ residency manager.  The glue's calls map onto a decode step:
     finish / preempt   release everything the request holds
 
 Sources with the same row layout keep their pools in one device storage
-(``DeviceRows``), followed by the layout's chi staging arenas
-(``staging_arena.py``): locations are rows of that storage, so one tensor holds
-every row a layer's attention reads.
+(``DeviceRows``), followed by chi staging arenas (``staging_arena.py``), or in a few
+equal storages where one would pass 2**31 B (``placement.py``): locations are rows
+of the source's storage, so one tensor holds every row a layer's attention reads.
 
 Admission is all-or-nothing across sources: every source is planned first
 (request slots, host extent, eq. 4 victims) and only when all can admit is anything
@@ -54,7 +54,7 @@ class SourceParts:
     host: HostStore
     resolver: Resolver
     residency: ResidencyManager
-    arenas: StagingArenas | None  # shared with the sources of the same row layout
+    arenas: StagingArenas | None  # shared with the other sources of its storage
 
 
 class KVHierarchy:

@@ -1,11 +1,11 @@
 """Where every source's pool and the staging arenas live in device storage.
 
-Sources whose rows have one layout (``SourceSpec.layout``) share one ``DeviceRows``:
-their pools back to back, then the chi staging arenas of that layout, so that a
-location is a row of one tensor the attention op reads whatever the source, and the
-arenas are allocated once for all the layers that take turns in them (paper 3.4).
-A layout whose storage would pass what one attention block can hold is split into
-several storages of equal size, each with its own arenas (``specs.storage_groups``).
+Sources whose rows have one layout (``SourceSpec.layout``) share a ``DeviceRows``:
+their pools back to back, then chi staging arenas, so that a location is a row of one
+tensor the attention op reads whatever the source, and the arenas are allocated once
+for all the layers that take turns in them (paper 3.4).  Where that storage would pass
+what one attention block can hold (2**31 B), the layout gets several storages of equal
+size, each with its own arenas (``specs.storage_groups``).
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class SourceSpec:
 
     @property
     def layout(self) -> tuple[int, ...]:
-        """Byte planes of a row; sources with equal layouts share one device storage."""
+        """Byte planes of a row; sources with equal layouts share device storage."""
         return tuple(self.plane_bytes) if self.plane_bytes else (self.row_bytes,)
 
 
@@ -108,38 +108,50 @@ class StorageGroup:
 def storage_groups(specs: list[SourceSpec], staging: StagingSpec | None,
                    max_bytes: int | None = None) -> list[StorageGroup]:
     """The device storages of ``specs``: one per row layout, or, where that would pass
-    ``max_bytes``, the fewest storages of about equal numbers of consecutive sources, each
-    with its own arenas.  The storages of a layout get equal row counts, so attention sees
-    one block size for every source (FlashMLA plans its schedule once per step for all of
-    them).  Raises ``ValueError`` when a single source's pool cannot fit.  ``max_bytes``:
-    ``STORAGE_MAX_BYTES``."""
+    ``max_bytes``, storages of about equal numbers of consecutive sources, each with its own
+    arenas, in the split that allocates the fewest rows (the padding of unequal groups
+    against the arenas of more groups).  The storages of a layout get equal row counts, so
+    attention sees one block size for every source (FlashMLA plans its schedule once per
+    step for all of them).  Raises ``ValueError`` when a single source cannot fit.
+    ``max_bytes``: ``STORAGE_MAX_BYTES``."""
     max_bytes = STORAGE_MAX_BYTES if max_bytes is None else max_bytes
     out = []
     for layout, members in layout_groups(specs).items():
         row = sum(layout)
+        best = None  # (rows allocated, groups, rows per storage)
         for count in range(1, len(members) + 1):
-            size, extra = divmod(len(members), count)
-            chunks, at = [], 0
-            for i in range(count):  # the first `extra` chunks take one source more
-                n = size + (i < extra)
-                chunks.append(tuple(members[at:at + n]))
-                at += n
-            groups = [_group(layout, c, staging) for c in chunks]
+            groups = [_group(layout, c, staging) for c in _chunks(members, count)]
             rows = max(g.pool_rows + g.arena_rows for g in groups)
-            if rows * row <= max_bytes:
-                break
-        else:
-            big = max(members, key=lambda m: m.device_pages * m.page_size)
+            if rows * row <= max_bytes and (best is None or count * rows < best[0]):
+                best = (count * rows, groups, rows)
+        if best is None:
+            alone = max((_group(layout, (m,), staging) for m in members),
+                        key=lambda g: g.pool_rows + g.arena_rows)
+            m = alone.members[0]
+            arenas = f" and {alone.arena_rows} rows of staging arenas" if alone.arena_rows else ""
             raise ValueError(
-                f"source {big.name!r}: {big.device_pages} device pages x {big.page_size} rows x "
-                f"{row} B plus its staging arenas exceed {max_bytes} B, the most one device "
-                f"storage holds (attention reads a storage as one block with a 32-bit stride); "
-                f"lower device_pool_pages, max_num_seqs or hot_cache_rows")
-        out += [dataclasses.replace(g, num_rows=rows) for g in groups]
+                f"source {m.name!r}: {m.device_pages} device pages x {m.page_size} rows"
+                f"{arenas} of {row} B exceed {max_bytes} B, the most one device storage holds "
+                f"(attention reads a storage as one block with a 32-bit stride); lower "
+                f"device_pool_pages, max_num_seqs or hot_cache_rows")
+        out += [dataclasses.replace(g, num_rows=best[2]) for g in best[1]]
+    return out
+
+
+def _chunks(members, count: int) -> list[tuple]:
+    """``members`` in ``count`` consecutive runs; the first ones take one source more."""
+    size, extra = divmod(len(members), count)
+    out, at = [], 0
+    for i in range(count):
+        n = size + (i < extra)
+        out.append(tuple(members[at:at + n]))
+        at += n
     return out
 
 
 def _group(layout, members, staging) -> StorageGroup:
+    # chi arenas serve the layers that take turns in them: a storage of fewer sources
+    # than chi needs one per source at most
     pools = sum(s.device_pages * s.page_size for s in members)
     chi = min(staging.arenas, len(members)) if staging else 0
     arena = chi * max(s.max_req_slots for s in members) * staging.columns if staging else 0

@@ -176,7 +176,7 @@ class StagingArenas:
 
 
 def sum_stats(per_layout: list[dict]) -> dict:
-    """Arena stats over row layouts (one storage each): sizes and counters add up."""
+    """Arena stats over storages (each with its own arenas): sizes and counters add up."""
     keys = ("arena_bytes", "arena_takes", "arena_reuses", "staging_bytes",
             "staging_bytes_step_max")
     out = {k: sum(d[k] for d in per_layout) for k in keys}

@@ -84,6 +84,10 @@ def check_supported(vllm_config: "VllmConfig", platform=None, *,
 
 
 FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 sparse decode
+# The audit ran FULL_AND_PIECEWISE and NONE: decode steps replayed from FULL graphs, the
+# attention of every other step eager (V4's breakable graphs run it outside the piecewise
+# graphs).  FULL_DECODE_ONLY and PIECEWISE run those same two paths and nothing else.
+AUDITED_GRAPHS = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
 
 
 def _name(mode) -> str:
@@ -137,8 +141,3 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
                 f"and a compiled model have not been audited. Keep vLLM's default "
                 f"cudagraph_mode and compilation mode, or pass --enforce-eager.")
     return None
-
-
-# what the in-engine audit covered: decode steps replayed from FULL graphs, the attention
-# of every other step eager (V4's breakable graphs run it outside the piecewise graphs)
-AUDITED_GRAPHS = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")

@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 
 from vllm_dhisparse.config import DHiSparseConfig
 from vllm_dhisparse.hierarchy.sizing import hot_cache_pages, required_pages, staging_bytes
-from vllm_dhisparse.hierarchy.specs import SourceSpec, StagingSpec, device_bytes
+from vllm_dhisparse.hierarchy.specs import SourceSpec, StagingSpec, device_bytes, storage_groups
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
@@ -119,9 +119,12 @@ def staging_sizes(plans: list[SourcePlan], staging: StagingSpec | None, layers: 
     ``M_stage = chi * N * K_max * k * d_KV`` for the widest source."""
     n = plans[0].spec.max_req_slots if plans else 0
     chi = staging.arenas if staging else 0
-    arena = device_pool_bytes(plans, staging) - device_pool_bytes(plans, None)
+    groups = storage_groups([p.spec for p in plans], staging)
+    arena = sum(g.arena_rows * sum(g.layout) for g in groups)
     widest = max((layer.top_k * layer.row_bytes for layer in layers), default=0)
-    return dict(staging_arenas=chi, staging_reserved_bytes=arena,
+    # arenas_allocated: chi per storage (a model split into several storages has more)
+    return dict(staging_arenas=chi, arenas_allocated=sum(g.arenas for g in groups),
+                staging_reserved_bytes=arena,
                 staging_bound_bytes=staging_bytes(chi, n, k_max, 1, widest))
 
 
