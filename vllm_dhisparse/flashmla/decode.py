@@ -12,14 +12,15 @@ replays it while requests come and go:
    does not hold get -1;
 2. rows the compressor wrote in this very step (``committed <= row < seq_len // 4``,
    at most ``fresh_rows`` per request) are copied from vLLM's blocks into the last
-   ``fresh_rows`` staging rows of the request's slot;
+   ``fresh_rows`` staging rows of the request's request slot;
 3. the tokens' committed selections, grouped per request (``[N, K_max, k]``, the anchor
    and its drafts; ragged groups padded with -1), go to ``KVHierarchy.resolve_req_slots``
-   with the first staging rows of each slot for overflow misses;
+   with the first staging rows of each request slot for overflow misses;
 4. FlashMLA's ``extra_topk_length`` is computed as vLLM computes it.
 
 A valid token whose request the hierarchy does not hold reads nothing from the extra
-cache (locations -1); ``counters`` counts such tokens batch-wide (they have no slot), and
+cache (locations -1); ``counters`` counts such tokens batch-wide (they have no request
+slot), and
 ``lost_by_slot`` the fresh rows that did not fit per request slot, so that the worker
 can fail that request.  vLLM 0.33 classes every step of at most 1 + speculative tokens
 as a decode, a short last prompt chunk or a full prefix-cache hit too: the worker
@@ -92,7 +93,7 @@ class RoutedDecode:
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=dev)
         # fresh rows beyond ``fresh_rows`` (served as -1) per request slot
         self.lost_by_slot = torch.zeros(slots + 1, dtype=torch.int64,
-                                        device=dev)  # [S + 1] int64, row S: no slot
+                                        device=dev)  # [S + 1] int64, row S: no request slot
         rows = parts.pool.device_rows
         self.pool_view = L.one_block_view(rows.storage, rows.num_rows)  # [1, R, 1, 584]
         self._planes = [p for _, p in rows.planes]  # data [R, 576], scales [R, 8]

@@ -56,8 +56,8 @@ def token_req_slots(slot_by_block: torch.Tensor, block_table: torch.Tensor,
         raise ValueError(f"token_to_req {tuple(token_to_req.shape)} needs an entry per "
                          f"is_valid {tuple(is_valid.shape)}")
     per_req = req_slots(slot_by_block, block_table, seq_lens, block_tokens)  # [R]
-    slots = per_req[token_to_req.long()]  # [T]
-    return torch.where(is_valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+    per_token = per_req[token_to_req.long()]  # [T]
+    return torch.where(is_valid, per_token, torch.full_like(per_token, -1)).to(torch.int32)
 
 
 def topk_lengths(local: torch.Tensor, is_valid: torch.Tensor) -> torch.Tensor:

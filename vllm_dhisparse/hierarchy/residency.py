@@ -186,13 +186,13 @@ class ResidencyManager:
         for pending in batch.backups:
             self.host.complete_backup(pending)
             self.counters.host_pages_written += pending.count // self.page_size
-        slots, pages, freed = [], [], []
+        req_slots, pages, freed = [], [], []
         for rec in batch.requests:
             self._settled.discard(rec.req_id)  # its dropped pages are eligible again
             self._eligible_left.pop(rec.req_id, None)
-            slots += [self.source.req_slot(rec.req_id)] * len(rec.optional)
+            req_slots += [self.source.req_slot(rec.req_id)] * len(rec.optional)
             pages += list(rec.optional)
-        self.source.unpublish_pages(slots, pages)
+        self.source.unpublish_pages(req_slots, pages)
         for rec in batch.requests:
             self._wait_populations(rec)  # pending pages are host-backed already; just drop them
             got = list(rec.optional.values()) + [p.device_page for p in rec.pending.values()]

@@ -45,15 +45,16 @@ def resolve_torch(
     n_batch, n_queries, top_k = selections.shape
     n_req_slots, hot_cache_rows = hot_pos.shape
     width = n_queries * top_k
-    slot = req_slots.long()  # [N]
-    real = (slot >= 0) & (slot < n_req_slots)
+    req_slot = req_slots.long()  # [N]
+    real = (req_slot >= 0) & (req_slot < n_req_slots)
     max_pos, max_pages = hot_slot_of.shape[1], page_table.shape[1]
     n_real = int(real.sum())
     if 0 in (n_real, width, hot_cache_rows, max_pos, max_pages) \
-            or (n_real > 1 and torch.unique(slot[real]).numel() != n_real):
+            or (n_real > 1 and torch.unique(req_slot[real]).numel() != n_real):
         return resolve_reference(selections, req_slots, *tables, staging_rows, host_base,
                                  **bounds)
-    s = torch.where(real, slot, 0)[:, None]  # [N, 1] a padding row reads slot 0, then drops it
+    s = torch.where(real, req_slot, 0)[:, None]  # [N, 1] a padding row reads request slot 0,
+    # then drops it
     sel = selections.reshape(n_batch, width).long()  # [N, K*k]
     # [N, 1] rows each request has written, or P
     limit = max_pos if seq_lens is None else seq_lens[s].long().clamp(0, max_pos)
@@ -88,7 +89,7 @@ def resolve_torch(
     counters[:, COUNTER_DIRECT] = torch.where(done, direct.sum(1), 0).to(torch.int32)
     counters[:, COUNTER_HOT] = torch.where(done, hot.sum(1), 0).to(torch.int32)
     counters[:, COUNTER_INVALID] = torch.where(done, invalid, 0).to(torch.int32)
-    counters[:, COUNTER_REPAIRS] = (~real & (slot != -1)).to(torch.int32)
+    counters[:, COUNTER_REPAIRS] = (~real & (req_slot != -1)).to(torch.int32)
 
     if bool(slow.any()):
         sub = slow.nonzero().flatten()
@@ -100,7 +101,7 @@ def resolve_torch(
     # after the reference's rows: a call that raises leaves the hit rows' stamps as they were
     stamped = done & hot.any(1)  # [N]
     if bool(stamped.any()):
-        rows = slot[stamped]
+        rows = req_slot[stamped]
         stamp = (hot_clock[rows].long() + 1 + 2**31) % 2**32 - 2**31  # [n]
         hot_clock[rows] = stamp.to(hot_clock.dtype)
         r, c = hot[stamped].nonzero(as_tuple=True)  # the hits of the stamped rows

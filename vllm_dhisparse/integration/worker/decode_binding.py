@@ -5,7 +5,7 @@ to the layer in ``register_kv_caches``, before vLLM captures its CUDA graphs (a 
 graph runs the layer's Python only at capture, so what it reads must exist then and
 live as long as the engine).  Before every forward, outside graphs, :meth:`write_tables`
 rewrites each layer's ``slot_by_block``: the block of an admitted request's newest token
--> the request's slot in that layer's source, and the block after it too, because with
+-> the request's request slot in that layer's source, and the block after it too, because with
 asynchronous scheduling the device's ``seq_lens`` can run one step ahead of the host's
 view and put the newest token there.  After the forward, :meth:`take_counters` reads the
 routing's counters (one device read per step): tokens the hierarchy did not serve mean
@@ -34,7 +34,7 @@ class DecodeBinding:
         """``modules``: each c4a layer's attention module (cuda_attention.py's class)."""
         self.hierarchy, self.layers, self.modules = hierarchy, layers, modules
         self.routed: dict[str, D.RoutedDecode] = {}
-        self.slot_reqs: dict[str, dict[int, str]] = {}  # per layer: slot -> request, this step
+        self.slot_reqs: dict[str, dict[int, str]] = {}  # per layer: request slot -> request
         for name, layer in layers.items():
             arenas = hierarchy.source(name).arenas
             if arenas is None:
@@ -58,18 +58,18 @@ class DecodeBinding:
             routed.lost_by_slot.zero_()
             layer = self.layers[name]
             block_tokens = layer.rows_per_block * layer.compress_ratio
-            blocks, slots = [], []
+            blocks, req_slots = [], []
             self.slot_reqs[name] = {}
             for req, tokens in decoding:
                 ids = req.block_ids[layer.group]
                 newest = (tokens - 1) // block_tokens
-                slot = self.hierarchy.req_slot_of(name, req.req_id)
-                self.slot_reqs[name][slot] = req.req_id
+                req_slot = self.hierarchy.req_slot_of(name, req.req_id)
+                self.slot_reqs[name][req_slot] = req.req_id
                 for b in ids[newest:newest + 1 + LOOKAHEAD_BLOCKS]:
                     blocks.append(b)
-                    slots.append(slot)
+                    req_slots.append(req_slot)
             R.write_slot_by_block(routed.slot_by_block, torch.tensor(blocks, dtype=torch.int64),
-                                  torch.tensor(slots, dtype=torch.int32))
+                                  torch.tensor(req_slots, dtype=torch.int32))
 
     def take_counters(self) -> dict:
         """The routing counters summed over layers since the last call, and the requests
@@ -84,8 +84,8 @@ class DecodeBinding:
         for name, r in self.routed.items():
             n = r.lost_by_slot.shape[0]
             owners = self.slot_reqs.get(name, {})
-            lost |= {owners[slot] for slot, count in enumerate(got[at:at + n])
-                     if count and slot in owners}
+            lost |= {owners[s] for s, count in enumerate(got[at:at + n])
+                     if count and s in owners}
             at += n
         return dict(selected=got[D.COUNTER_SELECTED], fresh_selections=got[D.COUNTER_FRESH],
                     fresh_rows_lost=sum(got[D.NUM_COUNTERS:]),
