@@ -140,7 +140,12 @@ def _cpu_server(doc: dict) -> tuple[str, dict]:
                         for n, r in doc["capacity"].items() for arm in ("resident", "connector")}
 
 
-EXTRACTORS = {"needle": _needle, "gpu_connector_audit": _gpu_audit,
+def _kv_layout(doc: dict) -> tuple[str, dict]:
+    return "cpu", {f"most_sessions_ratio_{name}": s["most_sessions_ratio"]
+                   for name, s in doc["shapes"].items()}
+
+
+EXTRACTORS = {"kv_layout": _kv_layout, "needle": _needle, "gpu_connector_audit": _gpu_audit,
               "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity,
               "gpu_connector": _gpu_connector, "gpu_capacity": _gpu_capacity,
               "bench_sessions": _bench_sessions, "cpu_server": _cpu_server}
