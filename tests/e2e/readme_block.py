@@ -1,4 +1,5 @@
-"""README's two-server P/D block as the tests run it: the block's text, bash running it
+"""The documented two-server P/D block (docs/pd_handoff.md, which README's P/D section
+points to) as the tests run it: the block's text, bash running it
 with its servers in the background (one process group), and what the servers report.
 
 The block ends after its last request; its servers keep running until ``stop_group``.
@@ -17,10 +18,12 @@ from .conftest import REPO
 
 
 def readme_pd_block() -> str:
-    """The bash block of README's P/D section: two servers and a router's two requests."""
-    text = open(os.path.join(REPO, "README.md")).read()
-    section = text.split("## Prefill/decode disaggregation", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    """The first bash block of docs/pd_handoff.md: two servers and a router's two
+    requests."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "docs/pd_handoff.md" in readme.split("## Prefill/decode disaggregation", 1)[1]
+    text = open(os.path.join(REPO, "docs", "pd_handoff.md")).read()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     assert "kv_producer" in block and "kv_consumer" in block, block
     return block
 

@@ -230,7 +230,8 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
 
 
 def test_readme_two_servers(demo_model, resident, tmp_path):
-    """README's P/D block, run by bash as written (the demo model for MODEL, free ports
+    """The documented P/D block (docs/pd_handoff.md, README's pointer), run by bash as
+    written (the demo model for MODEL, free ports
     for 8100 / 8200 / 5790): its last request answers.  Then a prompt of resident
     serving's through the same two servers, as the block's router steps do it: tokens
     equal, logprobs after the first (module doc), and the decode server loaded the
