@@ -51,6 +51,25 @@ if str(ROOT) not in sys.path:
 
 
 # ----------------------------------------------------------------- metadata
+def model_config_copy(src: str, prefix: str, change) -> str:
+    """A folder with ``src``'s config and tokenizer but no weights (engines load it with
+    ``load_format="dummy"``); ``change(config)`` edits the config dict in place."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix=prefix)
+    for f in os.listdir(src):  # no weights, no checksums of them
+        p = os.path.join(src, f)
+        if os.path.isfile(p) and not f.endswith(".safetensors") and "index" not in f \
+                and f != "SHA256SUMS":
+            shutil.copy(p, d)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    change(cfg)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return d
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,20 +36,13 @@ BINS = ((1, 4), (5, 8), (9, 16), (17, 24), (25, 32), (33, 48), (49, 64), (65, 96
 
 def model_dir(src: str, max_len: int) -> str:
     """The demo architecture with positions up to ``max_len`` and no weights (dummy load)."""
-    d = tempfile.mkdtemp(prefix="capacity-model-")
-    for f in os.listdir(src):  # config and tokenizer: no weights, no checksums of them
-        p = os.path.join(src, f)
-        if os.path.isfile(p) and not f.endswith(".safetensors") and "index" not in f \
-                and f != "SHA256SUMS":
-            shutil.copy(p, d)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["max_position_embeddings"] = max_len
-    cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=max_len / cfg["rope_scaling"][
-        "original_max_position_embeddings"])
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    return d
+    from benchmarks.common import model_config_copy
+
+    def longer(cfg: dict) -> None:
+        cfg["max_position_embeddings"] = max_len
+        cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=max_len / cfg["rope_scaling"][
+            "original_max_position_embeddings"])
+    return model_config_copy(src, "capacity-model-", longer)
 
 
 def layout(cfg) -> dict:

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -37,22 +35,13 @@ def shape_dir(name: str) -> str:
     src = os.path.join(ROOT, "models", "needle_v4")
     if name == "demo":
         return src
-    d = tempfile.mkdtemp(prefix=f"kv-layout-{name}-")
-    for f in os.listdir(src):  # config and tokenizer only
-        p = os.path.join(src, f)
-        if os.path.isfile(p) and not f.endswith(".safetensors") and "index" not in f \
-                and f != "SHA256SUMS":
-            shutil.copy(p, d)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
     if name != "v4flash":
         raise ValueError(f"shape {name!r}; allowed: demo, v4flash")
+    from benchmarks.common import model_config_copy
     n = 43
-    cfg.update(num_hidden_layers=n, index_n_heads=64,
-               compress_ratios=[1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, n)])
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    return d
+    return model_config_copy(src, f"kv-layout-{name}-", lambda cfg: cfg.update(
+        num_hidden_layers=n, index_n_heads=64,
+        compress_ratios=[1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, n)]))
 
 
 def child(model: str, connector: bool, kv_bytes: int) -> None:

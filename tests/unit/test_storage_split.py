@@ -8,7 +8,7 @@ from vllm_dhisparse.hierarchy import specs as S
 from vllm_dhisparse.hierarchy.hierarchy import KVHierarchy
 from vllm_dhisparse.hierarchy.placement import place
 
-from tests.unit.test_staging_arena import COLUMNS, SEL, W, rows, spec, verify_rows
+from tests.unit.test_staging_arena import COLUMNS, SEL, W, hierarchy, spec, verify_rows
 
 SOURCES = ("a", "b", "c", "d", "e")
 POOL_ROWS = 12 * 3  # device_pages x page_size of spec()
@@ -17,13 +17,7 @@ ARENA_ROWS = 2 * COLUMNS  # one arena: max_req_slots x columns
 
 def split_hierarchy(monkeypatch, limit_rows, chi=1):
     monkeypatch.setattr(S, "STORAGE_MAX_BYTES", limit_rows * W)
-    h = KVHierarchy([spec(s) for s in SOURCES], optional_residency=False,
-                    staging=dict(arenas=chi, columns=COLUMNS))
-    truth = {r: {s: rows(20, i * 11 + j) for j, s in enumerate(SOURCES)}
-             for i, r in enumerate(("r0", "r1"))}
-    for r in truth:
-        assert h.admit(r, 30, truth[r])
-    return h, truth
+    return hierarchy(arenas=chi, sources=SOURCES)
 
 
 def test_a_layout_over_the_limit_splits_into_the_fewest_equal_storages(monkeypatch):
