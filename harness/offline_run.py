@@ -78,7 +78,7 @@ def build_llm(args, stats_file: str | None):
     if args.spec:
         kw["speculative_config"] = json.loads(args.spec)
         kw["disable_log_stats"] = False  # the acceptance counters are vLLM's stats
-    if args.kv_role != "kv_both":
+    if args.kv_role != "kv_both" or args.next_turn:
         kw["disable_log_stats"] = False  # prompt token sources and handoff metrics
     return LLM(**kw)
 
@@ -216,10 +216,13 @@ def settle_loads(timeout_s: float = 300) -> None:
         time.sleep(0.01)
 
 
-def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle=False):
+def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle=False,
+                      turns=None, reset_before=None):
     """``LLM.generate`` by hand, so the running-request count is sampled every step;
     prompt i is added before engine step ``arrivals[i]`` (all at step 0 by default);
     ``preempt_at``: ``(i, step)`` pairs, request i preempted before that step;
+    ``turns``: ``{j: i}``, prompt j follows request i's prompt and outputs, added once i
+    has finished; ``reset_before``: vLLM's prefix cache is reset before request j is added;
     ``settle``: after each step, wait until every handoff load started so far has ended,
     so loads started in one step are reported together and their requests decode in one
     batch from their first step, whatever the transfer timing."""
@@ -228,10 +231,22 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle
     pending = sorted(zip(arrivals or [0] * len(ids), range(len(ids))))
     done, running, step = {}, [], 0
     generate_stepwise.preemptions = {}
+    turns = turns or {}
     while pending or engine.has_unfinished_requests():
         while pending and (pending[0][0] <= step or not engine.has_unfinished_requests()):
-            i = pending.pop(0)[1]
-            engine.add_request(ids[i], prompts[i], params[i])
+            i = pending[0][1]
+            if i in turns and ids[turns[i]] not in done:
+                break  # the turn before has not finished yet
+            pending.pop(0)
+            prompt = prompts[i]
+            if i in turns:
+                prev = done[ids[turns[i]]]
+                prompt = {"prompt_token_ids": list(prev.prompt_token_ids)
+                          + list(prev.outputs[0].token_ids) + prompt["prompt_token_ids"]}
+            if i == reset_before and not llm.reset_prefix_cache():
+                raise SystemExit(f"--reset-prefix-cache-before {i}: vLLM refused (requests "
+                                 f"hold blocks)")
+            engine.add_request(ids[i], prompt, params[i])
         for i, at in preempt_at:
             if at == step and not preempt(llm, ids[i]):
                 raise SystemExit(f"--preempt {i}:{at}: request {ids[i]} is not running then")
@@ -318,6 +333,13 @@ def main(argv=None) -> int:
                     help="kv_consumer, in-process engine: after each engine step wait until "
                          "the handoff loads started so far have ended (batch composition "
                          "independent of transfer timing)")
+    ap.add_argument("--next-turn", nargs="*", default=[], metavar="J:I",
+                    help="prompt J is the next turn of request I: I's prompt and outputs, then "
+                         "J's own tokens (J is added once I has finished)")
+    ap.add_argument("--reset-prefix-cache-before", type=int, default=None, metavar="J",
+                    help="before adding request J, drop vLLM's prefix cache (LLM."
+                         "reset_prefix_cache: the blocks' hashes, not the connector's host "
+                         "entries), as if other requests had taken the blocks")
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
@@ -357,8 +379,9 @@ def main(argv=None) -> int:
                          "VLLM_ENABLE_V1_MULTIPROCESSING=0")
     t0 = time.time()
     preempt_at = [tuple(int(x) for x in p.split(":")) for p in args.preempt]
+    turns = dict(tuple(int(x) for x in t.split(":")) for t in args.next_turn)
     outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at,
-                                     args.settle_loads)
+                                     args.settle_loads, turns, args.reset_prefix_cache_before)
     gen_s = time.time() - t0
     vc = llm.llm_engine.vllm_config
     result = dict(load_s=load_s, generate_s=gen_s, outputs=[], running=running,

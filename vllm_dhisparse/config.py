@@ -53,6 +53,10 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
                          "on CPU, 1 on CUDA"),
     "stats_file": (str, "", None, "write connector counters as JSON to this path after each step; "
                    "'{pid}' in it becomes the worker's process id (replicas sharing a config)"),
+    "host_prefix_gib": (float, 0.0, 0.0, "host memory for the KV of finished and preempted requests' "
+                        "prefixes (kv_both, prefix caching on): a later request whose prompt "
+                        "starts with one loads it from host instead of recomputing it, "
+                        "least recently used freed first; 0 = off"),
     "spec": (str, "", SPEC_PRESETS, "speculative preset the engine must run ('' = whatever its "
              "speculative_config says): dspark or dflash2 (vllm_dhisparse.spec)"),
     # prefill/decode handoff (kv_role kv_producer / kv_consumer; ignored by kv_both)
@@ -88,6 +92,7 @@ class DHiSparseConfig:
     resolve_timing: str = "auto"
     stats_interval_s: float | None = None
     stats_file: str = ""
+    host_prefix_gib: float = 0.0
     spec: str = ""
     handoff_host: str = "127.0.0.1"
     handoff_port: int = 5790

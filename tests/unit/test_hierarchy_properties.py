@@ -137,6 +137,15 @@ class HierarchyMachine(RuleBasedStateMachine):
         if hasattr(self, "h"):
             check_invariants(self.h, self.truth)
 
+    @invariant()
+    def history_reads_back(self):
+        """``read_history`` (what a host prefix capture copies) returns every request's
+        rows, wherever each page lives now."""
+        for req, rows in getattr(self, "truth", {}).items():
+            for name, want in rows.items():
+                got = self.h.read_history(req, name, want.shape[0])
+                assert torch.equal(got, want.cpu()), (req, name)
+
 
 HierarchyMachine.TestCase.settings = settings(
     max_examples=50, stateful_step_count=40, deadline=None,

@@ -28,7 +28,7 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 # inside integration/: shared modules, then folders by process, then the front
 GLUE = [
     ("support", "metadata", "kv_spec", "draft_ring"),
-    ("metrics", "handoff"),
+    ("metrics", "handoff", "host_prefix"),
     ("engine_core", "layers"),
     ("worker",),
     ("connector", "extension_points", "plugin"),

@@ -316,6 +316,36 @@ class KVHierarchy:
             out[name] = (rec.eligible_pages - len(rec.optional)) * parts.spec.page_size
         return out
 
+    def read_history(self, req_id: str, source: str, n: int) -> torch.Tensor:
+        """Rows ``0..n-1`` of ``req_id``'s history in ``source``, read from where they live
+        now: a page published in the direct map is read on device, any other row from its
+        host copy (every row below the length is one or the other, invariant (a)).
+        Synchronous; for copying a request's history out, never on the step path.
+        # [n, row_bytes] uint8 on the host"""
+        self._require(req_id)
+        parts = self.source(source)
+        st, ps = parts.state, parts.spec.page_size
+        length = st.seq_len(req_id)
+        if not 0 <= n <= length:
+            raise ValueError(f"read_history: {n} rows of {req_id!r} in {source!r}; it holds "
+                             f"{length}")
+        rows = torch.arange(n, dtype=torch.int64)
+        table = st.page_table[st.req_slot(req_id), :-(-n // ps)].cpu().to(torch.int64)
+        first = table[rows // ps]  # device row of each row's page, -1 when not published
+        on_device = first >= 0
+        out = torch.empty((n, parts.spec.row_bytes), dtype=torch.uint8)
+        if bool(on_device.any()):
+            out[on_device] = parts.pool.read(first[on_device] + rows[on_device] % ps).cpu()
+        on_host = ~on_device
+        if bool(on_host.any()):
+            backed = parts.host.backed(req_id)[:n]
+            if not bool(backed[on_host].all()):
+                row = int(rows[on_host & ~backed][0])
+                raise RuntimeError(f"read_history: row {row} of {req_id!r} in {source!r} is "
+                                   f"neither published on device nor backed on host")
+            out[on_host] = parts.host.read(req_id, rows[on_host])
+        return out
+
     def step(self) -> None:
         """Between decode steps: complete copies, back up full tail pages, repopulate.
 

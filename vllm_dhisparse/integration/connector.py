@@ -31,6 +31,7 @@ from vllm_dhisparse.spec import check_engine, ring_sizes
 from .draft_ring import ring_block_size
 from .extension_points import require
 from .handoff.scheduler import HandoffScheduler
+from .host_prefix.index import PrefixIndex
 from .metadata import DHiSparseHandshake, DHiSparseMetadata, DHiSparseWorkerMetadata
 from .layers.model_probe import find_sparse_layers, iter_sparse_modules, require_sparse_indexer
 from .worker.pool_sizing import max_queries
@@ -72,13 +73,24 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self.dhisparse_worker: WorkerSide | None = None
         max_len = vllm_config.model_config.max_model_len
         self.kv_role = vllm_config.kv_transfer_config.kv_role
+        # host prefix entries need vLLM's block hashes (prefix caching) and serve one
+        # instance alone (a P/D consumer loads whole prompts from its producer)
+        self.host_prefix = self.cfg.host_prefix_gib > 0 and self.kv_role == "kv_both" and \
+            bool(vllm_config.cache_config.enable_prefix_caching)
+        if self.cfg.host_prefix_gib > 0 and not self.host_prefix:
+            logger.warning("DHiSparse: host_prefix_gib is set but host prefix hits are off: "
+                           "they need prefix caching on and kv_role kv_both (this engine: "
+                           "prefix caching %s, kv_role %s)",
+                           vllm_config.cache_config.enable_prefix_caching, self.kv_role)
+        self._kv_cache_config = kv_cache_config
         if role == KVConnectorRole.SCHEDULER:
             self.handoff = HandoffScheduler(self.kv_role, self.cfg,
                                             vllm_config.kv_transfer_config.engine_id,
                                             kv_cache_config)
-            self.scheduler_side = SchedulerSide(max_len, self.handoff)
+            self.prefix = PrefixIndex(int(self.cfg.host_prefix_gib * 2**30), kv_cache_config,
+                                      self.host_prefix)
+            self.scheduler_side = SchedulerSide(max_len, self.handoff, self.prefix)
         else:
-            self._kv_cache_config = kv_cache_config
             ring_block = ring_block_size(kv_cache_config)
             if self.spec_sizes is not None and ring_block:
                 self.spec_sizes.update(ring_sizes(self.spec_sizes, ring_block))
@@ -99,7 +111,7 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         layers = find_sparse_layers(self._vllm_config, self._kv_cache_config)
         self.dhisparse_worker = self.new_worker_side(
             self.cfg, layers, *self._worker_args, spec_sizes=self.spec_sizes,
-            kv_role=self.kv_role)
+            kv_role=self.kv_role, host_prefix=self.host_prefix)
         self.dhisparse_worker.register_kv_caches(
             kv_caches, self._kv_cache_config, dict(iter_sparse_modules(self._vllm_config)))
 
@@ -170,7 +182,8 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if self.dhisparse_worker is None:
             return None
         failed = self.dhisparse_worker.take_failed()
-        return DHiSparseWorkerMetadata(failed) if failed else None
+        lost = self.dhisparse_worker.take_prefix_lost()
+        return DHiSparseWorkerMetadata(failed, lost) if failed or lost else None
 
     # -- metrics (stats.py) ----------------------------------------------------------------
     def get_kv_connector_stats(self) -> DHiSparseConnectorStats | None:
@@ -191,16 +204,42 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int):
         """``(prompt tokens, True)`` for a kv_consumer request with a handoff to pull
-        (``do_remote_prefill``); the load is asynchronous.  ``(0, False)`` otherwise."""
-        return self.handoff.get_num_new_matched_tokens(request, num_computed_tokens)
+        (``do_remote_prefill``); ``(tokens, True)`` for a request whose prompt begins with
+        a host prefix entry's tokens beyond its local hit; both loads are asynchronous.
+        ``(0, False)`` otherwise."""
+        found = self.handoff.get_num_new_matched_tokens(request, num_computed_tokens)
+        if found[0] or getattr(request, "kv_transfer_params", None):
+            return found
+        tokens = self.prefix.lookup(request, num_computed_tokens)
+        return (tokens, True) if tokens else (0, False)
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        if self.prefix.wants_load(request.request_id):  # every group, the c4a rows too
+            return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
         return self.handoff.loaded_groups
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        if self.prefix.after_alloc(request, tuple(list(b) for b in blocks.get_block_ids()),
+                                   num_external_tokens):
+            return
         self.handoff.update_state_after_alloc(request, blocks, num_external_tokens,
                                               self.scheduler_side.max_tokens_of(request))
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int):
+        if num_external_tokens and request.request_id in self.prefix.host_loads:
+            return {CacheHitSource.HOST: num_external_tokens}
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: the host prefix entries go too."""
+        self.prefix.reset()
+        return True
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, DHiSparseWorkerMetadata) and meta.prefix_lost:
+            self.prefix.forget(meta.prefix_lost)
 
     def on_new_request(self, request: "Request") -> None:
         self.scheduler_side.on_new_request(request)

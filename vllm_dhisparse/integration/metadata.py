@@ -44,12 +44,36 @@ class LoadItem:
 
 
 @dataclass
+class PrefixCapture:
+    """Copy the first ``num_tokens`` tokens' KV of ``req_id`` (finished or preempted this
+    step) to host as prefix entry ``entry_id`` (host_prefix/store.py)."""
+    entry_id: int
+    req_id: str
+    num_tokens: int
+
+
+@dataclass
+class PrefixLoad:
+    """Write prefix entry ``entry_id`` into the blocks vLLM allocated for ``req_id``: the
+    tokens from ``first_token`` (its local prefix-cache hit) to ``num_tokens``."""
+    req_id: str
+    entry_id: int
+    first_token: int
+    num_tokens: int
+    block_ids: tuple[list[int], ...]  # per KV cache group, the request's whole table
+
+
+@dataclass
 class DHiSparseMetadata(KVConnectorMetadata):
     step: int
     requests: list[RequestStep] = field(default_factory=list)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
     loads: list[LoadItem] = field(default_factory=list)  # kv_consumer: loads to start
+    # host prefix entries, done in this order before the forward (host_prefix/)
+    prefix_captures: list[PrefixCapture] = field(default_factory=list)
+    prefix_loads: list[PrefixLoad] = field(default_factory=list)
+    prefix_evictions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,10 +86,13 @@ class DHiSparseHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class DHiSparseWorkerMetadata(KVConnectorWorkerMetadata):
-    """What workers tell the scheduler half after a step: requests that failed."""
+    """What workers tell the scheduler half after a step: requests that failed, and host
+    prefix entries whose capture failed (the scheduler forgets them)."""
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error
+    prefix_lost: set[int] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "DHiSparseWorkerMetadata":
         if isinstance(other, DHiSparseWorkerMetadata):
-            return DHiSparseWorkerMetadata({**self.failed, **other.failed})
+            return DHiSparseWorkerMetadata({**self.failed, **other.failed},
+                                           self.prefix_lost | other.prefix_lost)
         return self

@@ -3,7 +3,8 @@
 The hierarchy itself lives in the workers (it owns device and host memory);
 the scheduler half only translates vLLM's ``SchedulerOutput`` into
 :class:`DHiSparseMetadata`.  vLLM's own prefix cache serves hits; external KV
-comes only from a prefill instance (``handoff_scheduler.py``, kv_consumer).
+comes from a prefill instance (``handoff/scheduler.py``, kv_consumer) or from
+the host prefix entries of earlier requests (``host_prefix/index.py``).
 
 It also decides when a request's prefill is complete: in the step that
 computes the last of its known tokens (the prompt, or the prompt and the
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from ..handoff.scheduler import HandoffScheduler
+from ..host_prefix.index import PrefixIndex
 from ..metadata import DHiSparseMetadata, RequestStep
 
 if TYPE_CHECKING:
@@ -28,10 +30,12 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 
 class SchedulerSide:
-    def __init__(self, max_model_len: int, handoff: HandoffScheduler | None = None):
+    def __init__(self, max_model_len: int, handoff: HandoffScheduler | None = None,
+                 prefix: PrefixIndex | None = None):
         self.max_model_len = max_model_len
         # kv_both (one instance serving alone) without one: P/D parameters are ignored
         self.handoff = handoff or HandoffScheduler("kv_both", None, "", None)
+        self.prefix = prefix or PrefixIndex(0, None, False)
         self._requests: dict[str, "Request"] = {}
         self._prefilled: set[str] = set()  # prefill complete (until preempted)
         self._finished: set[str] = set()
@@ -50,6 +54,7 @@ class SchedulerSide:
         rid = request.request_id
         self._finished.add(rid)
         self._requests.pop(rid, None)
+        self.prefix.on_ended(request)
         prefilled = rid in self._prefilled
         self._prefilled.discard(rid)
         self.window_from.pop(rid, None)
@@ -91,6 +96,8 @@ class SchedulerSide:
         for rid in meta.preempted:  # before this step's requests: a resume may follow at once
             self._prefilled.discard(rid)
             self.window_from.pop(rid, None)
+            if rid in self._requests:
+                self.prefix.on_ended(self._requests[rid])
         drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for new in out.scheduled_new_reqs:
             rid = new.req_id
@@ -122,7 +129,10 @@ class SchedulerSide:
                 max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
                 num_spec_tokens=spec))
+        for rs in meta.requests:
+            self.prefix.on_step(rs.req_id, rs.num_computed_tokens)
         meta.loads = self.handoff.take_loads()
+        meta.prefix_captures, meta.prefix_loads, meta.prefix_evictions = self.prefix.take()
         meta.finished = set(out.finished_req_ids) | self._finished
         self._finished = set()
         return meta

@@ -52,6 +52,21 @@ class VllmC4aCaches:
         pos = (rows % layer.rows_per_block).to(views[0].device)
         return torch.cat([plane[b, pos] for plane in views], dim=1)
 
+    def write_rows(self, layer: SparseLayer, block_ids: list[int], rows: torch.Tensor,
+                   data: torch.Tensor) -> None:
+        """The inverse of :meth:`rows`: ``data`` ([n, row_bytes] uint8) becomes rows ``rows``
+        of the request whose blocks are ``block_ids``."""
+        views = self.planes(layer)
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
+        rows = rows.to(torch.int64).cpu()
+        b = blocks[rows // layer.rows_per_block].to(views[0].device)
+        pos = (rows % layer.rows_per_block).to(views[0].device)
+        start = 0
+        for plane in views:
+            width = plane.shape[2]
+            plane[b, pos] = data[:, start:start + width].to(plane.device)
+            start += width
+
     def first_rows(self, layer: SparseLayer, block_ids: list[int], n: int) -> torch.Tensor:
         """Rows ``0..n-1`` of the request whose blocks are ``block_ids``.  # [n, row_bytes]"""
         return self.rows(layer, block_ids, torch.arange(n, dtype=torch.int64))

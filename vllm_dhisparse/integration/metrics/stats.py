@@ -166,6 +166,21 @@ METRICS: tuple[MetricDef, ...] = (
        "handoff", "held"),
     _h("handoff_seconds", "P/D consumer: one load, pull to blocks written (on the load thread).",
        (1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)),
+    # -- prefix hits from host memory (host_prefix_gib; zero when off) --
+    _c("host_prefix_hits", "Requests whose prompt began with a host prefix entry, loaded "
+                           "instead of computed.", "host_prefix", "loads"),
+    _c("host_prefix_hit_tokens", "Prompt tokens loaded from host prefix entries.",
+       "host_prefix", "tokens_loaded"),
+    _c("host_prefix_captures", "Host prefix entries captured from finished or preempted "
+                               "requests.", "host_prefix", "captured"),
+    _c("host_prefix_evictions", "Host prefix entries freed (least recently used first, "
+                                "within host_prefix_gib).", "host_prefix", "evicted"),
+    _c("host_prefix_failures", "Host prefix captures or loads that failed (the entry is "
+                               "forgotten; a failed load applies kv_load_failure_policy).",
+       "host_prefix", "failed"),
+    _g("host_prefix_entries", "Host prefix entries held.", "host_prefix", "entries"),
+    _g("host_prefix_bytes", "Host bytes of the prefix entries held.", "host_prefix",
+       "bytes_held"),
     # -- resolver latency --
     _h("resolve_seconds", "Wall time of one KVHierarchy.resolve call (recorded with "
                           "resolve_timing on, or auto on CPU).",
@@ -177,7 +192,7 @@ GAUGES = tuple(m for m in METRICS if m.kind == "gauge")
 HISTOGRAMS = tuple(m for m in METRICS if m.kind == "histogram")
 
 
-ROLE_SECTIONS = ("handoff", "spec")  # summary sections only some engines have
+ROLE_SECTIONS = ("handoff", "spec", "host_prefix")  # summary sections only some engines have
 
 
 def read(summary: dict, path: tuple[str, ...]) -> int | float:

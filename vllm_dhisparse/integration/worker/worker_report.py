@@ -45,6 +45,8 @@ class WorkerReport:
         out = dict(totals=tot, sources=st["sources"], staging=st["staging"])
         if self.handoff is not None:
             out["handoff"] = self.handoff.summary()
+        if getattr(self, "host_prefix", None) is not None:
+            out["host_prefix"] = self.host_prefix.summary()
         if self.spec_sizes is not None:
             out["spec"] = self.spec_sizes
         return out

@@ -31,6 +31,8 @@ from .admission import Admissions
 from .decode_policy import CpuDecode, CudaDecode
 from ..layers.failures import Failures
 from ..handoff.worker import HandoffWorker, LoadJob
+from ..host_prefix.index import scheduler_block
+from ..host_prefix.store import PrefixStore
 from ..metadata import DHiSparseMetadata
 from ..layers.model_probe import SparseLayer
 from .pool_sizing import plan_pools, staging_sizes
@@ -47,13 +49,19 @@ class WorkerSide(WorkerReport):
     def __init__(self, cfg: DHiSparseConfig, layers: list[SparseLayer], max_model_len: int,
                  max_num_seqs: int, max_spec_queries: int, device: torch.device,
                  spec_sizes: dict | None = None, kv_role: str = "kv_both", *,
-                 context_cls=StepContext, admissions_cls=Admissions):
-        """``context_cls``: what begin_step binds for the routed layers; ``admissions_cls``:
+                 host_prefix: bool = False, context_cls=StepContext,
+                 admissions_cls=Admissions):
+        """``host_prefix``: keep prefix entries of ended requests on host (host_prefix/);
+        ``context_cls``: what begin_step binds for the routed layers; ``admissions_cls``:
         what admits and commits rows (the tests' fault injection passes subclasses)."""
         self.context_cls, self.admissions_cls = context_cls, admissions_cls
         self.cfg = cfg
         self.kv_role = kv_role
         self.handoff: HandoffWorker | None = None  # kv_producer / kv_consumer
+        self.host_prefix_on = host_prefix
+        self.host_prefix: PrefixStore | None = None
+        self.prefix_lost: set[int] = set()  # entries whose capture failed, for the scheduler
+        self.prefix_loaded: dict[str, str | None] = {}  # request -> load error (None: done)
         self.spec_sizes = dict(spec_sizes) if spec_sizes else None  # spec.check_engine
         self.layers = {layer.name: layer for layer in layers}
         self.max_model_len = max_model_len
@@ -87,6 +95,9 @@ class WorkerSide(WorkerReport):
         if self.kv_role in ("kv_producer", "kv_consumer"):
             self.handoff = HandoffWorker(self.kv_role, self.cfg, kv_caches, kv_cache_config,
                                          list(self.layers.values()), self.vllm_cache.first_rows)
+        if self.host_prefix_on:
+            self.host_prefix = PrefixStore(kv_caches, kv_cache_config, self.layers,
+                                           scheduler_block(kv_cache_config))
         self.pool_plan = plan_pools(self.cfg, list(self.layers.values()), self.max_model_len,
                                     self.max_num_seqs, self.max_queries)
         plans, staging = list(self.pool_plan.sources), self.pool_plan.staging
@@ -122,9 +133,13 @@ class WorkerSide(WorkerReport):
     def begin_step(self, meta: DHiSparseMetadata) -> None:
         h, failures, admissions = self.hierarchy, self.failures, self.admissions
         assert h is not None, "register_kv_caches must run before the first step"
+        if self.host_prefix is not None:  # before the ended requests release their rows
+            self._host_prefix_work(meta)
         ended = False
         for req, preempted in self.requests.ended(meta):
             ended = True
+            if self.host_prefix is not None:
+                self.host_prefix.forget_request(req.req_id)
             if req.admitted:
                 (h.preempt if preempted else h.finish)(req.req_id)
             failures.forget(req.req_id)
@@ -142,6 +157,8 @@ class WorkerSide(WorkerReport):
             req, replaced = self.requests.update(rs)
             if replaced is not None:  # resumed after preemption: starts from its history
                 h.preempt(replaced.req_id)
+            if self.host_prefix is not None and not req.failed:
+                self.host_prefix.note_step(req, rs.num_computed_tokens, rs.replace_blocks)
             if req.failed:
                 continue
             as_decode = rs.num_scheduled_tokens <= self.max_queries
@@ -193,6 +210,45 @@ class WorkerSide(WorkerReport):
             write_json_atomic(self.cfg.stats_file.replace("{pid}", str(os.getpid())),
                               self.summary())
 
+    # -- host prefix entries (host_prefix/) ------------------------------------------------
+    def _host_prefix_work(self, meta: DHiSparseMetadata) -> None:
+        """The step's captures (blocks vLLM freed this step are not written before the
+        forward), then loads into newly allocated blocks, then evictions."""
+        hp = self.host_prefix
+        for item in meta.prefix_captures:
+            req = self.requests.get(item.req_id)
+            try:
+                if req is None or req.failed:
+                    raise RuntimeError("the request is not served here")
+                hp.capture(item, req, lambda layer, n, req=req: self._history_rows(req, layer, n))
+            except Exception as e:  # noqa: BLE001 -- the scheduler forgets this entry only
+                hp.counters.capture_failed += 1
+                self.prefix_lost.add(item.entry_id)
+                logger.warning("DHiSparse: host prefix entry of request %s (%d tokens) not "
+                               "captured: %s", item.req_id, item.num_tokens, e)
+        for item in meta.prefix_loads:
+            try:
+                hp.load(item, self.vllm_cache.write_rows)
+                self.prefix_loaded[item.req_id] = None
+            except Exception as e:  # noqa: BLE001 -- vLLM's kv_load_failure_policy, this request
+                hp.counters.load_failed += 1
+                self.prefix_loaded[item.req_id] = f"{type(e).__name__}: {e}"
+                logger.error("DHiSparse: loading host prefix entry %d into request %s failed: "
+                             "%s", item.entry_id, item.req_id, e)
+        for entry_id in meta.prefix_evictions:
+            hp.evict(entry_id)
+
+    def _history_rows(self, req: TrackedRequest, layer: SparseLayer, n: int) -> torch.Tensor:
+        """The request's first ``n`` c4a rows: from the hierarchy once admitted, else from
+        vLLM's blocks (nothing is freed before the prefill completes).  # [n, row_bytes]"""
+        if req.admitted:
+            return self.hierarchy.read_history(req.req_id, layer.name, n)
+        return self.vllm_cache.first_rows(layer, req.block_ids[layer.group], n).cpu()
+
+    def take_prefix_lost(self) -> set[int]:
+        out, self.prefix_lost = self.prefix_lost, set()
+        return out
+
     # -- P/D (kv_consumer) ----------------------------------------------------------------
     def admit_loaded(self, job: LoadJob) -> bool:
         """A loaded request's c4a history goes straight into the hierarchy (resident-first);
@@ -211,12 +267,15 @@ class WorkerSide(WorkerReport):
         return True
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
-        """kv_consumer: loads finished (and failed) since the last call."""
+        """Loads finished (and failed) since the last call: a kv_consumer's handoffs, and
+        host prefix entries (written before this step's forward)."""
+        done, failed = set(self.prefix_loaded), {r for r, e in self.prefix_loaded.items() if e}
+        self.prefix_loaded = {}
         if self.handoff is None:
-            return set(), set()
-        out = self.handoff.transfer_results(self.admit_loaded)
+            return done, failed
+        got, lost = self.handoff.transfer_results(self.admit_loaded)
         self.failures.take_hierarchy_failures()
-        return out
+        return done | got, failed | lost
 
     # -- reporting ---------------------------------------------------------------------
     def take_failed(self) -> dict[str, str]:

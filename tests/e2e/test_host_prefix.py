@@ -1,0 +1,68 @@
+"""Prefix hits served from host memory (``host_prefix_gib``), against RESIDENT serving.
+
+Two conversations, each a first turn and a second turn whose prompt is the first turn's
+prompt and outputs plus new tokens (``offline_run --next-turn``).  Prefix caching is on
+in both arms (forced where this CPU turns it off).  In the connector arm vLLM's prefix
+cache is reset after the first turns (``LLM.reset_prefix_cache``: as if other requests had
+taken the blocks), so the second turns' prefixes can only come from the connector's host
+entries; resident serving keeps its cache and hits it.
+
+* A: a 2820-token prompt, 20 outputs.  Its entry ends at 2816 tokens (prompt only; the
+  sliding-window snapshot is taken as the first decode step passes the boundary).  Both
+  arms serve the second turn with 2816 cached tokens: identical tokens, bitwise logprobs.
+* B: a 2500-token prompt, 80 outputs.  Its entry ends at 2560 tokens, past the prompt: the
+  last 60 were computed by decode steps, the snapshot taken at the decode step that
+  passed 2560.  vLLM's own cache does not serve a block completed by decode steps on this
+  model (resident hits 2304), so the connector computes 256 fewer prompt tokens; the
+  tokens are identical, the logprobs equal up to the rounding of a different prefill split.
+"""
+import json
+
+import pytest
+
+from .conftest import assert_same_outputs, run_offline
+
+pytestmark = pytest.mark.e2e
+
+RUN = ["--prompt-lens", "2820", "2500", "300", "200", "--max-tokens", "20", "80", "12", "12",
+       "--prefix-caching", "--next-turn", "2:0", "3:1", "--arrivals", "0", "0", "999", "999",
+       "--max-model-len", "4096"]
+HIER = {"hot_cache_rows": 512, "optional_residency": False, "host_prefix_gib": 0.05}
+
+
+@pytest.fixture(scope="module")
+def arms(demo_model):
+    resident = run_offline(demo_model, *RUN)
+    got = run_offline(demo_model, *RUN, "--reset-prefix-cache-before", "2",
+                      "--connector", json.dumps(HIER))
+    return resident, got
+
+
+def subset(run: dict, idx: list[int]) -> dict:
+    return {**run, "outputs": [run["outputs"][i] for i in idx]}
+
+
+def test_second_turns_load_their_prefix_from_host_exactly(arms):
+    resident, got = arms
+    for run in (resident, got):
+        assert run["prefix_caching"], run
+    assert [o["num_cached_tokens"] for o in resident["outputs"]] == [0, 0, 2816, 2304]
+    assert [o["num_cached_tokens"] for o in got["outputs"]] == [0, 0, 2816, 2560]
+    assert_same_outputs(subset(got, [0, 1, 2]), subset(resident, [0, 1, 2]))
+    assert_same_outputs(subset(got, [3]), subset(resident, [3]), logprobs=False)
+    g, w = got["outputs"][3]["logprobs"], resident["outputs"][3]["logprobs"]
+    print("conversation B, second turn: largest logprob difference",
+          max(abs(a - b) for a, b in zip(g, w)))
+    assert max(abs(a - b) for a, b in zip(g, w)) < 1e-3, (g, w)
+
+    hp = got["stats"]["host_prefix"]
+    assert hp["loads"] == 2 and hp["tokens_loaded"] == 2816 + 2560, hp
+    # every turn but the last is captured before the stats file is last written
+    assert hp["captured"] >= 3 and hp["capture_failed"] == hp["load_failed"] == 0, hp
+    t = got["stats"]["totals"]
+    assert t["failed"] == 0 and t["admissions"] == 4, t
+    # vLLM's own accounting: the loaded tokens are cached, from outside its prefix cache
+    assert got["pd_metrics"]["vllm:prompt_tokens_by_source|external_kv_transfer"] == 5376
+    assert got["pd_metrics"]["vllm:prompt_tokens_by_source|local_cache_hit"] == 0
+    computed = got["pd_metrics"]["vllm:prompt_tokens_by_source|local_compute"]
+    assert computed == resident["pd_metrics"]["vllm:prompt_tokens_by_source|local_compute"] - 256
