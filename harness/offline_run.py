@@ -243,9 +243,16 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle
                 prev = done[ids[turns[i]]]
                 prompt = {"prompt_token_ids": list(prev.prompt_token_ids)
                           + list(prev.outputs[0].token_ids) + prompt["prompt_token_ids"]}
-            if i == reset_before and not llm.reset_prefix_cache():
-                raise SystemExit(f"--reset-prefix-cache-before {i}: vLLM refused (requests "
-                                 f"hold blocks)")
+            if i == reset_before:
+                # a finished request's blocks are freed once the connector has copied them,
+                # in the step that tells the workers it finished
+                for _ in range(3):
+                    if llm.reset_prefix_cache():
+                        break
+                    engine.step()
+                else:
+                    raise SystemExit(f"--reset-prefix-cache-before {i}: vLLM refused (requests "
+                                     f"hold blocks)")
             engine.add_request(ids[i], prompt, params[i])
         for i, at in preempt_at:
             if at == step and not preempt(llm, ids[i]):

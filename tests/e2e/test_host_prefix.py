@@ -7,14 +7,16 @@ cache is reset after the first turns (``LLM.reset_prefix_cache``: as if other re
 taken the blocks), so the second turns' prefixes can only come from the connector's host
 entries; resident serving keeps its cache and hits it.
 
-* A: a 2820-token prompt, 20 outputs.  Its entry ends at 2816 tokens (prompt only; the
+* A: a 1300-token prompt, 10 outputs.  Its entry ends at 1280 tokens (prompt only; the
   sliding-window snapshot is taken as the first decode step passes the boundary).  Both
-  arms serve the second turn with 2816 cached tokens: identical tokens, bitwise logprobs.
-* B: a 2500-token prompt, 80 outputs.  Its entry ends at 2560 tokens, past the prompt: the
-  last 60 were computed by decode steps, the snapshot taken at the decode step that
-  passed 2560.  vLLM's own cache does not serve a block completed by decode steps on this
-  model (resident hits 2304), so the connector computes 256 fewer prompt tokens; the
+  arms serve the second turn with 1280 cached tokens: identical tokens, bitwise logprobs.
+* B: a 1000-token prompt, 40 outputs.  Its entry ends at 1024 tokens, past the prompt: the
+  last 24 were computed by decode steps, the snapshot taken at the decode step that
+  passed 1024.  vLLM's own cache does not serve a block completed by decode steps on this
+  model (resident hits 768), so the connector computes 256 fewer prompt tokens; the
   tokens are identical, the logprobs equal up to the rounding of a different prefill split.
+
+Both hits are longer than the 512-token device window.
 """
 import json
 
@@ -24,9 +26,9 @@ from .conftest import assert_same_outputs, run_offline
 
 pytestmark = pytest.mark.e2e
 
-RUN = ["--prompt-lens", "2820", "2500", "300", "200", "--max-tokens", "20", "80", "12", "12",
+RUN = ["--prompt-lens", "1300", "1000", "300", "200", "--max-tokens", "10", "40", "12", "12",
        "--prefix-caching", "--next-turn", "2:0", "3:1", "--arrivals", "0", "0", "999", "999",
-       "--max-model-len", "4096"]
+       "--max-model-len", "2048"]
 HIER = {"hot_cache_rows": 512, "optional_residency": False, "host_prefix_gib": 0.05}
 
 
@@ -46,8 +48,8 @@ def test_second_turns_load_their_prefix_from_host_exactly(arms):
     resident, got = arms
     for run in (resident, got):
         assert run["prefix_caching"], run
-    assert [o["num_cached_tokens"] for o in resident["outputs"]] == [0, 0, 2816, 2304]
-    assert [o["num_cached_tokens"] for o in got["outputs"]] == [0, 0, 2816, 2560]
+    assert [o["num_cached_tokens"] for o in resident["outputs"]] == [0, 0, 1280, 768]
+    assert [o["num_cached_tokens"] for o in got["outputs"]] == [0, 0, 1280, 1024]
     assert_same_outputs(subset(got, [0, 1, 2]), subset(resident, [0, 1, 2]))
     assert_same_outputs(subset(got, [3]), subset(resident, [3]), logprobs=False)
     g, w = got["outputs"][3]["logprobs"], resident["outputs"][3]["logprobs"]
@@ -56,13 +58,13 @@ def test_second_turns_load_their_prefix_from_host_exactly(arms):
     assert max(abs(a - b) for a, b in zip(g, w)) < 1e-3, (g, w)
 
     hp = got["stats"]["host_prefix"]
-    assert hp["loads"] == 2 and hp["tokens_loaded"] == 2816 + 2560, hp
+    assert hp["loads"] == 2 and hp["tokens_loaded"] == 1280 + 1024, hp
     # every turn but the last is captured before the stats file is last written
     assert hp["captured"] >= 3 and hp["capture_failed"] == hp["load_failed"] == 0, hp
     t = got["stats"]["totals"]
     assert t["failed"] == 0 and t["admissions"] == 4, t
     # vLLM's own accounting: the loaded tokens are cached, from outside its prefix cache
-    assert got["pd_metrics"]["vllm:prompt_tokens_by_source|external_kv_transfer"] == 5376
+    assert got["pd_metrics"]["vllm:prompt_tokens_by_source|external_kv_transfer"] == 1280 + 1024
     assert got["pd_metrics"]["vllm:prompt_tokens_by_source|local_cache_hit"] == 0
     computed = got["pd_metrics"]["vllm:prompt_tokens_by_source|local_compute"]
     assert computed == resident["pd_metrics"]["vllm:prompt_tokens_by_source|local_compute"] - 256

@@ -45,12 +45,14 @@ def test_ended_request_leaves_its_boundary_and_a_later_prompt_hits_it():
     turn1 = list(range(3000))
     r0 = request("r0", turn1)
     idx.on_step("r0", 2820)  # its latest step started at 2820 computed tokens
-    idx.on_ended(r0)
+    assert idx.on_ended(r0)  # a capture: vLLM keeps its blocks until the worker copied them
     captures, loads, evictions = idx.take()
     assert [(c.req_id, c.num_tokens) for c in captures] == [("r0", 2816)]
+    r1 = request("r1", turn1 + list(range(5000, 5300)))
+    assert idx.lookup(r1, 512) == 0  # not hit before the worker reports the capture done
+    idx.confirm({captures[0].entry_id})
     assert idx.bytes == idx.nbytes(2816) == 3 * 11 * 100 + 2 * 2 * 10 + 2 * 50 + 11 * 400 + 16 * 30
     # the next turn: the whole first turn and more; a local hit of 512 tokens
-    r1 = request("r1", turn1 + list(range(5000, 5300)))
     assert idx.lookup(r1, 512) == 2816 - 512
     assert idx.wants_load("r1")
     assert idx.after_alloc(r1, ([1], [2]), 2816 - 512)
@@ -84,6 +86,7 @@ def test_least_recently_used_entries_go_first_within_the_budget():
     for rid in "ab":
         idx.on_step(rid, 520)
         idx.on_ended(reqs[rid])
+    idx.confirm(c.entry_id for c in idx.take()[0])
     # a hit on "a" makes "b" the least recently used
     assert idx.lookup(request("a2", [0] * 700), 0) == 512
     idx.after_alloc(request("a2", [0] * 700), ([],), 512)
@@ -92,6 +95,7 @@ def test_least_recently_used_entries_go_first_within_the_budget():
     idx.on_ended(reqs["c"])
     captures, _, evictions = idx.take()
     assert [c.req_id for c in captures] == ["c"] and len(evictions) == 1
+    idx.confirm({captures[0].entry_id})
     assert idx.lookup(request("b2", [1] * 700), 0) == 0
     assert idx.lookup(request("a3", [0] * 700), 0) == 512
     assert idx.bytes == 2 * size
@@ -107,7 +111,8 @@ def test_lost_captures_are_forgotten_and_reset_frees_everything():
         idx.on_step(rid, 600)
         idx.on_ended(request(rid, [k] * 700))
     a, b = idx.take()[0]
-    idx.forget({a.entry_id})
+    idx.confirm({a.entry_id, b.entry_id})
+    idx.forget({a.entry_id})  # its capture or a load of it failed
     assert idx.lookup(request("x", [0] * 800), 0) == 0
     assert idx.lookup(request("y", [1] * 800), 0) == 512
     idx.reset()
@@ -121,7 +126,9 @@ def test_preempted_request_is_captured_and_its_resume_hits():
     r = request("r", toks)
     idx.on_step("r", 1030)
     idx.on_ended(r)  # preempted: vLLM resumes it with 0 computed tokens
-    assert [c.num_tokens for c in idx.take()[0]] == [1024]
+    captures = idx.take()[0]
+    assert [c.num_tokens for c in captures] == [1024]
+    idx.confirm({captures[0].entry_id})
     assert idx.lookup(r, 0) == 1024
 
 

@@ -52,14 +52,14 @@ def windowed(ids: list[list[int]], n: int) -> list[list[int]]:
 def test_capture_then_load_writes_every_group_from_the_local_hit_on():
     kv, _, c4a, store = setup()
     a = SimpleNamespace(req_id="a", block_ids=table(1, 2840), admitted=True)
-    store.note_step(a, 2820, restarted=True)  # first decode step after a 2820-token prefill
+    store.after_forward(a, 0, 2820)  # its 2820-token prefill passed 2816
     assert store.snapshots["a"].num_tokens == 2816
     window = {name: kv[name][[a.block_ids[g][p] for p in pos]].clone()
               for name, g, pos in (("swa0", 2, range(42, 44)), ("state0", 1, range(702, 704)),
                                    ("state128", 4, range(336, 352)))}
     for name, g, _ in (("swa0", 2, 0), ("state0", 1, 0), ("state128", 4, 0)):
         kv[name][a.block_ids[g]] = 0  # freed by vLLM and reused: the snapshot holds them
-    store.note_step(a, 2830, restarted=False)  # same boundary: no new snapshot
+    store.after_forward(a, 2820, 2821)  # a decode step: same boundary, no new snapshot
     c4a_rows = torch.randint(0, 255, (710, 9), dtype=torch.uint8)
     store.capture(PrefixCapture(7, "a", 2816), a, lambda layer, n: c4a_rows[:n])
     entry = store.entries[7]
@@ -88,7 +88,7 @@ def test_capture_then_load_writes_every_group_from_the_local_hit_on():
 def test_a_load_that_needs_a_block_the_entry_lacks_writes_nothing():
     kv, _, c4a, store = setup()
     a = SimpleNamespace(req_id="a", block_ids=table(1, 1100), admitted=True)
-    store.note_step(a, 1030, restarted=True)
+    store.after_forward(a, 0, 1030)
     store.capture(PrefixCapture(1, "a", 1024), a, lambda layer, n: torch.zeros(n, 9, dtype=torch.uint8))
     b = windowed(table(1500, 1300), 1024)
     b[2][13] = 5  # vLLM kept an SWA block outside the window the entry holds (14, 15)
@@ -103,13 +103,18 @@ def test_a_load_that_needs_a_block_the_entry_lacks_writes_nothing():
 def test_capture_needs_the_snapshot_of_its_boundary():
     _, _, _, store = setup()
     a = SimpleNamespace(req_id="a", block_ids=table(1, 1100), admitted=True)
-    store.note_step(a, 700, restarted=True)  # boundary 512
+    store.after_forward(a, 0, 700)  # boundary 512
     with pytest.raises(RuntimeError, match="no window snapshot at 1024"):
         store.capture(PrefixCapture(1, "a", 1024), a, lambda layer, n: torch.zeros(n, 9))
-    store.note_step(a, 1024, restarted=False)
+    store.after_forward(a, 1023, 1024)
     store.capture(PrefixCapture(1, "a", 1024), a, lambda layer, n: torch.zeros(n, 9))
     # a resumed request starts again: no snapshot until it passes a boundary
-    store.note_step(a, 100, restarted=True)
+    store.forget_request("a")
+    store.after_forward(a, 0, 100)
+    assert "a" not in store.snapshots
+    # accepted drafts took it past 1280 in an earlier step: that window may be gone
+    store.after_forward(a, 0, 1030)
+    store.after_forward(a, 1283, 1284)
     assert "a" not in store.snapshots
     store.evict(1)
     assert store.counters.evicted == 1 and store.counters.entries == 0 == store.counters.bytes_held

@@ -142,19 +142,27 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self.dhisparse_worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]):
-        done, _ = self._transfer_results()
-        return None, done or None
+        sent, done, _ = self._transfer_results()
+        return sent or None, done or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Loads (kv_consumer) finished since the last call; a failed one is reported in
-        both sets, and vLLM applies kv_load_failure_policy to that request."""
-        done, failed = self._transfer_results()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        """Finished requests whose host prefix capture is done (``finished_sending``:
+        vLLM frees their blocks); loads (kv_consumer, host prefix hits) finished since the
+        last call, a failed one in both sets (vLLM applies kv_load_failure_policy)."""
+        sent, done, failed = self._transfer_results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done,
+                                          failed_recving=failed)
 
-    def _transfer_results(self) -> tuple[set[str], set[str]]:
+    def _transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         if self.dhisparse_worker is None:
-            return set(), set()
+            return set(), set(), set()
         return self.dhisparse_worker.transfer_results()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the model runner zeroes or reuses the blocks vLLM freed this step: a
+        preempted request's host prefix capture."""
+        if self.dhisparse_worker is not None:
+            self.dhisparse_worker.capture_preempted(kv_connector_metadata)
 
     def shutdown(self) -> None:
         pd = self.dhisparse_worker.handoff if self.dhisparse_worker is not None else None
@@ -182,8 +190,9 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if self.dhisparse_worker is None:
             return None
         failed = self.dhisparse_worker.take_failed()
-        lost = self.dhisparse_worker.take_prefix_lost()
-        return DHiSparseWorkerMetadata(failed, lost) if failed or lost else None
+        lost, captured = self.dhisparse_worker.take_prefix_reports()
+        return DHiSparseWorkerMetadata(failed, lost, captured) \
+            if failed or lost or captured else None
 
     # -- metrics (stats.py) ----------------------------------------------------------------
     def get_kv_connector_stats(self) -> DHiSparseConnectorStats | None:
@@ -238,7 +247,8 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, DHiSparseWorkerMetadata) and meta.prefix_lost:
+        if isinstance(meta, DHiSparseWorkerMetadata):
+            self.prefix.confirm(meta.prefix_captured)
             self.prefix.forget(meta.prefix_lost)
 
     def on_new_request(self, request: "Request") -> None:

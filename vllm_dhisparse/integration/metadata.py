@@ -87,12 +87,15 @@ class DHiSparseHandshake(KVConnectorHandshakeMetadata):
 @dataclass
 class DHiSparseWorkerMetadata(KVConnectorWorkerMetadata):
     """What workers tell the scheduler half after a step: requests that failed, and host
-    prefix entries whose capture failed (the scheduler forgets them)."""
+    prefix entries captured (hits may load them) or lost (capture or load failed: the
+    scheduler forgets them)."""
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error
     prefix_lost: set[int] = field(default_factory=set)
+    prefix_captured: set[int] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "DHiSparseWorkerMetadata":
         if isinstance(other, DHiSparseWorkerMetadata):
             return DHiSparseWorkerMetadata({**self.failed, **other.failed},
-                                           self.prefix_lost | other.prefix_lost)
+                                           self.prefix_lost | other.prefix_lost,
+                                           self.prefix_captured | other.prefix_captured)
         return self

@@ -50,15 +50,16 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         """A producer's handoff was captured when the prefill completed: the blocks can
-        go at once, and the answer carries what the decode instance pulls."""
+        go at once, and the answer carries what the decode instance pulls.  A host prefix
+        capture keeps them until the worker has copied them (``finished_sending``)."""
         rid = request.request_id
         self._finished.add(rid)
         self._requests.pop(rid, None)
-        self.prefix.on_ended(request)
+        capture = self.prefix.on_ended(request)
         prefilled = rid in self._prefilled
         self._prefilled.discard(rid)
         self.window_from.pop(rid, None)
-        return False, self.handoff.request_finished(request, prefilled)
+        return capture, self.handoff.request_finished(request, prefilled)
 
     def _completes_prefill(self, rid: str, num_computed: int, num_real: int) -> bool:
         """True once, for the step that computes the request's last known token
@@ -130,7 +131,8 @@ class SchedulerSide:
                 completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
                 num_spec_tokens=spec))
         for rs in meta.requests:
-            self.prefix.on_step(rs.req_id, rs.num_computed_tokens)
+            self.prefix.on_step(rs.req_id, rs.num_computed_tokens + rs.num_scheduled_tokens
+                                - rs.num_spec_tokens)
         meta.loads = self.handoff.take_loads()
         meta.prefix_captures, meta.prefix_loads, meta.prefix_evictions = self.prefix.take()
         meta.finished = set(out.finished_req_ids) | self._finished

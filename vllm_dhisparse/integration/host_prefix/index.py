@@ -14,19 +14,28 @@ vLLM counts those tokens as cached, from host (``CacheHitSource.HOST``).
 Which boundary.  DeepSeek-V4's sliding-window groups (the SWA caches and the
 compressor states) keep only the window behind the newest token, so the KV
 needed to resume at a boundary N exists only while the request is near N.
-Both halves therefore use one rule: N is the request's computed tokens at its
-latest scheduled step, rounded down to the scheduler's block (the LCM of the
-groups' block sizes, 256 tokens), and the worker snapshots the window blocks at
-each new N as the request passes it.  An entry is keyed by vLLM's block hash
+Both halves therefore use one rule: N is the tokens the request's latest
+scheduled step leaves computed (its computed tokens plus the step's tokens but
+drafts), rounded down to the scheduler's block (the LCM of the groups' block
+sizes, 256 tokens), and the worker snapshots the window blocks after the
+forward that passes a new N, before vLLM can free them.  An entry is keyed by vLLM's block hash
 at N (``Request.block_hashes``, chained over every token before, and over the
 request's cache salt and LoRA), so a hit needs the same N in the later prompt.
 
+When a capture reads.  vLLM zeroes reused blocks before the connector sees a step
+(mixed-precision caches), so a capture never reads a freed block: a finished
+request's blocks stay allocated until its capture is done (``request_finished``
+answers ``delay_free`` and the worker reports the request in ``finished_sending``),
+and a preempted request, whose blocks vLLM frees at once, is captured in
+``handle_preemptions``, before the model runner zeroes or writes anything.
+
 Entries live by least recent use (capture or load) within ``host_prefix_gib``,
 planned here with the byte size each entry will have; captures, loads and
-evictions reach the worker in the step metadata, done in that order before the
-forward, so a load never reads an entry freed in its step and a capture reads
-blocks vLLM freed before any forward writes them.  A capture that fails in the
-worker is reported back (``DHiSparseWorkerMetadata.prefix_lost``) and forgotten.
+evictions reach the worker in the step metadata, done in that order, so a load
+never reads an entry freed in its step.  An entry is hit only once the worker
+reported its capture done (``DHiSparseWorkerMetadata.prefix_captured``); one whose
+capture or load failed is forgotten (``prefix_lost``), so a failed load is never
+repeated.
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ class Entry:
     key: object  # vLLM's block hash at num_tokens
     num_tokens: int
     nbytes: int
+    ready: bool = False  # the worker reported the capture done
 
 
 def layer_specs(kv_cache_config):
@@ -108,27 +118,29 @@ class PrefixIndex:
         return sum(len(window_positions(s, num_tokens)) * s.page_size_bytes for s in self._specs)
 
     # -- capture -------------------------------------------------------------------------
-    def on_step(self, req_id: str, num_computed_tokens: int) -> None:
-        self.last_boundary[req_id] = num_computed_tokens // self.boundary * self.boundary
+    def on_step(self, req_id: str, tokens_after: int) -> None:
+        """The request's scheduled step leaves ``tokens_after`` tokens computed (drafts
+        not counted)."""
+        self.last_boundary[req_id] = tokens_after // self.boundary * self.boundary
 
-    def on_ended(self, request: "Request") -> None:
+    def on_ended(self, request: "Request") -> bool:
         """A request finished or was preempted: its KV up to its boundary is captured,
-        unless an entry holds that prefix already."""
+        unless an entry holds that prefix already.  True when a capture is planned."""
         rid = request.request_id
         n = self.last_boundary.pop(rid, 0)
         self.pending.pop(rid, None)
         self.host_loads.discard(rid)
         if not self.enabled or n < self.boundary:
-            return
+            return False
         key = self._key(request, n)
         if key is None:
-            return
+            return False
         if key in self.by_key:
             self.entries.move_to_end(self.by_key[key])
-            return
+            return False
         size = self.nbytes(n)
         if size > self.capacity_bytes:
-            return
+            return False
         while self.bytes + size > self.capacity_bytes:
             self._evict(next(iter(self.entries)))
         entry = Entry(self._next_id, key, n, size)
@@ -137,6 +149,7 @@ class PrefixIndex:
         self.by_key[key] = entry.entry_id
         self.bytes += size
         self.captures.append(PrefixCapture(entry.entry_id, rid, n))
+        return True
 
     def _key(self, request: "Request", num_tokens: int):
         hashes = getattr(request, "block_hashes", None) or ()
@@ -155,8 +168,14 @@ class PrefixIndex:
         for eid in list(self.entries):
             self._evict(eid)
 
+    def confirm(self, entry_ids) -> None:
+        """Entries the worker captured: hits may load them from now on."""
+        for eid in entry_ids:
+            if eid in self.entries:
+                self.entries[eid].ready = True
+
     def forget(self, entry_ids) -> None:
-        """Entries whose capture failed in a worker."""
+        """Entries whose capture or load failed in a worker."""
         for eid in entry_ids:
             entry = self.entries.pop(eid, None)
             if entry is not None:
@@ -173,7 +192,7 @@ class PrefixIndex:
         b = self.boundary
         for n in range((request.num_tokens - 1) // b * b, num_computed_tokens, -b):
             eid = self.by_key.get(self._key(request, n))
-            if eid is not None and self.entries[eid].num_tokens == n:
+            if eid is not None and self.entries[eid].ready and self.entries[eid].num_tokens == n:
                 self.pending[request.request_id] = (eid, num_computed_tokens, n)
                 return n - num_computed_tokens
         return 0
@@ -186,7 +205,10 @@ class PrefixIndex:
         """vLLM allocated the request's blocks: the load goes into this step's metadata.
         False when the request has no entry to load."""
         rid = request.request_id
-        if rid not in self.pending or not num_external_tokens:
+        if rid not in self.pending:
+            return False
+        if not num_external_tokens:  # vLLM took no external tokens after all
+            self.pending.pop(rid)
             return False
         eid, first, n = self.pending.pop(rid)
         self.entries.move_to_end(eid)

@@ -9,8 +9,8 @@ cache group (index.py says which boundary and why):
 * every other full-attention layer (indexer keys, c128a) as its blocks before
   ``num_tokens``: vLLM frees none of them while the request runs;
 * every sliding-window layer (SWA caches, compressor states) as the window
-  blocks at ``num_tokens``, snapshotted when the request passed that boundary,
-  before vLLM freed them.
+  blocks at ``num_tokens``, snapshotted after the forward that passed that
+  boundary, before vLLM freed them.
 
 A load writes an entry into the blocks vLLM allocated for the new request, from
 its local prefix hit on, the c4a rows included: the request then prefills its
@@ -86,15 +86,19 @@ class PrefixStore:
         return pos, cache[ids].cpu()  # [n, *page] copy
 
     # -- while requests run ------------------------------------------------------------
-    def note_step(self, req, num_computed_tokens: int, restarted: bool) -> None:
-        """Snapshots the request's window blocks at each boundary it passes (the same
-        rule as index.py); ``restarted``: a new or resumed request's first step."""
-        n = num_computed_tokens // self.boundary * self.boundary
-        snap = None if restarted else self.snapshots.get(req.req_id)
-        if snap is not None and snap.num_tokens >= n:
+    def after_forward(self, req, computed_before: int, computed_after: int) -> None:
+        """After the forward of a step that took the request from ``computed_before`` to
+        ``computed_after`` tokens (drafts not counted): snapshots its window blocks at
+        the boundary the step passed (the rule of index.py).  vLLM frees window blocks
+        only at a later schedule, so they are all there.  A boundary below
+        ``computed_before`` (accepted drafts passed it in an earlier step) may have lost
+        its window already: no snapshot, and that boundary's capture fails."""
+        n = computed_after // self.boundary * self.boundary
+        snap = self.snapshots.get(req.req_id)
+        if n < self.boundary or (snap is not None and snap.num_tokens >= n):
             return
         self.snapshots.pop(req.req_id, None)
-        if n < self.boundary:
+        if n < computed_before:
             return
         snap = Snapshot(n)
         try:
@@ -108,6 +112,7 @@ class PrefixStore:
         self.snapshots[req.req_id] = snap
 
     def forget_request(self, req_id: str) -> None:
+        """The request ended, or starts again (resumed): its snapshot is void."""
         self.snapshots.pop(req_id, None)
 
     # -- the step's metadata, in order -------------------------------------------------

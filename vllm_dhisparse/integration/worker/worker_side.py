@@ -60,8 +60,13 @@ class WorkerSide(WorkerReport):
         self.handoff: HandoffWorker | None = None  # kv_producer / kv_consumer
         self.host_prefix_on = host_prefix
         self.host_prefix: PrefixStore | None = None
-        self.prefix_lost: set[int] = set()  # entries whose capture failed, for the scheduler
+        # for the scheduler: entries captured, entries whose capture or load failed
+        self.prefix_captured: set[int] = set()
+        self.prefix_lost: set[int] = set()
         self.prefix_loaded: dict[str, str | None] = {}  # request -> load error (None: done)
+        self.prefix_sent: set[str] = set()  # finished requests whose blocks may go now
+        self.prefix_preempted_done: set[int] = set()  # captured in handle_preemptions
+        self.step_tokens: dict[str, tuple[int, int]] = {}  # request -> computed before, after
         self.spec_sizes = dict(spec_sizes) if spec_sizes else None  # spec.check_engine
         self.layers = {layer.name: layer for layer in layers}
         self.max_model_len = max_model_len
@@ -157,8 +162,11 @@ class WorkerSide(WorkerReport):
             req, replaced = self.requests.update(rs)
             if replaced is not None:  # resumed after preemption: starts from its history
                 h.preempt(replaced.req_id)
-            if self.host_prefix is not None and not req.failed:
-                self.host_prefix.note_step(req, rs.num_computed_tokens, rs.replace_blocks)
+            if self.host_prefix is not None:
+                if rs.replace_blocks:
+                    self.host_prefix.forget_request(rs.req_id)
+                self.step_tokens[rs.req_id] = (rs.num_computed_tokens, rs.num_computed_tokens
+                                               + rs.num_scheduled_tokens - rs.num_spec_tokens)
             if req.failed:
                 continue
             as_decode = rs.num_scheduled_tokens <= self.max_queries
@@ -202,6 +210,12 @@ class WorkerSide(WorkerReport):
             return
         if self.handoff is not None:  # before admission: every block is still vLLM's
             self.handoff.capture(self.requests, self.step_req_ids)
+        if self.host_prefix is not None:  # the window blocks this forward leaves
+            for rid, (before, after) in self.step_tokens.items():
+                req = self.requests.get(rid)
+                if req is not None and not req.failed:
+                    self.host_prefix.after_forward(req, before, after)
+            self.step_tokens = {}
         self.decode.after_forward(self.requests, self.failures, self.served)
         self.admissions.admit_completed_prefills(self.requests, self.step_req_ids)
         self.hierarchy.step()
@@ -211,21 +225,44 @@ class WorkerSide(WorkerReport):
                               self.summary())
 
     # -- host prefix entries (host_prefix/) ------------------------------------------------
+    def capture_preempted(self, meta: DHiSparseMetadata) -> None:
+        """``handle_preemptions``: vLLM freed a preempted request's blocks in this
+        schedule; the model runner may zero and reuse them after this call, so its
+        capture is done now."""
+        if self.host_prefix is None:
+            return
+        for item in meta.prefix_captures:
+            if item.req_id in meta.preempted:
+                self._capture(item)
+                self.prefix_preempted_done.add(item.entry_id)
+
+    def _capture(self, item) -> None:
+        req = self.requests.get(item.req_id)
+        try:
+            if req is None or req.failed:
+                raise RuntimeError("the request is not served here")
+            self.host_prefix.capture(item, req,
+                                     lambda layer, n, req=req: self._history_rows(req, layer, n))
+            self.prefix_captured.add(item.entry_id)
+        except Exception as e:  # noqa: BLE001 -- the scheduler forgets this entry only
+            self.host_prefix.counters.capture_failed += 1
+            self.prefix_lost.add(item.entry_id)
+            logger.warning("DHiSparse: host prefix entry of request %s (%d tokens) not "
+                           "captured: %s", item.req_id, item.num_tokens, e)
+
     def _host_prefix_work(self, meta: DHiSparseMetadata) -> None:
-        """The step's captures (blocks vLLM freed this step are not written before the
-        forward), then loads into newly allocated blocks, then evictions."""
+        """The step's captures of finished requests (their blocks are held for it:
+        ``delay_free``), then loads into newly allocated blocks, then evictions."""
         hp = self.host_prefix
         for item in meta.prefix_captures:
-            req = self.requests.get(item.req_id)
-            try:
-                if req is None or req.failed:
-                    raise RuntimeError("the request is not served here")
-                hp.capture(item, req, lambda layer, n, req=req: self._history_rows(req, layer, n))
-            except Exception as e:  # noqa: BLE001 -- the scheduler forgets this entry only
-                hp.counters.capture_failed += 1
+            if item.entry_id in self.prefix_preempted_done:
+                self.prefix_preempted_done.discard(item.entry_id)
+            elif item.req_id in meta.preempted:  # no handle_preemptions (model runner V2):
+                hp.counters.capture_failed += 1  # its blocks may be zeroed already
                 self.prefix_lost.add(item.entry_id)
-                logger.warning("DHiSparse: host prefix entry of request %s (%d tokens) not "
-                               "captured: %s", item.req_id, item.num_tokens, e)
+            else:
+                self._capture(item)
+                self.prefix_sent.add(item.req_id)  # vLLM frees its blocks now
         for item in meta.prefix_loads:
             try:
                 hp.load(item, self.vllm_cache.write_rows)
@@ -233,20 +270,27 @@ class WorkerSide(WorkerReport):
             except Exception as e:  # noqa: BLE001 -- vLLM's kv_load_failure_policy, this request
                 hp.counters.load_failed += 1
                 self.prefix_loaded[item.req_id] = f"{type(e).__name__}: {e}"
+                self.prefix_lost.add(item.entry_id)  # never loaded again
                 logger.error("DHiSparse: loading host prefix entry %d into request %s failed: "
                              "%s", item.entry_id, item.req_id, e)
         for entry_id in meta.prefix_evictions:
             hp.evict(entry_id)
 
     def _history_rows(self, req: TrackedRequest, layer: SparseLayer, n: int) -> torch.Tensor:
-        """The request's first ``n`` c4a rows: from the hierarchy once admitted, else from
-        vLLM's blocks (nothing is freed before the prefill completes).  # [n, row_bytes]"""
-        if req.admitted:
-            return self.hierarchy.read_history(req.req_id, layer.name, n)
-        return self.vllm_cache.first_rows(layer, req.block_ids[layer.group], n).cpu()
+        """The request's first ``n`` c4a rows: those the hierarchy holds (committed at the
+        last step's start), the rest from vLLM's blocks (inside the device window; in
+        prefill nothing is freed).  # [n, row_bytes]"""
+        have = min(n, req.rows.get(layer.name, 0)) if req.admitted else 0
+        parts = [self.hierarchy.read_history(req.req_id, layer.name, have)] if have else []
+        if n > have:
+            parts.append(self.vllm_cache.rows(layer, req.block_ids[layer.group],
+                                              torch.arange(have, n, dtype=torch.int64)).cpu())
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def take_prefix_lost(self) -> set[int]:
-        out, self.prefix_lost = self.prefix_lost, set()
+    def take_prefix_reports(self) -> tuple[set[int], set[int]]:
+        """(entries lost, entries captured) since the last call, for the scheduler."""
+        out = (self.prefix_lost, self.prefix_captured)
+        self.prefix_lost, self.prefix_captured = set(), set()
         return out
 
     # -- P/D (kv_consumer) ----------------------------------------------------------------
@@ -266,16 +310,19 @@ class WorkerSide(WorkerReport):
             c.rows_device += req.rows[name] - host
         return True
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """Loads finished (and failed) since the last call: a kv_consumer's handoffs, and
-        host prefix entries (written before this step's forward)."""
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call:
+        finished requests whose host prefix capture is done (vLLM frees their blocks),
+        loads finished and failed (a kv_consumer's handoffs, host prefix entries written
+        before this step's forward)."""
+        sent, self.prefix_sent = self.prefix_sent, set()
         done, failed = set(self.prefix_loaded), {r for r, e in self.prefix_loaded.items() if e}
         self.prefix_loaded = {}
         if self.handoff is None:
-            return done, failed
+            return sent, done, failed
         got, lost = self.handoff.transfer_results(self.admit_loaded)
         self.failures.take_hierarchy_failures()
-        return done | got, failed | lost
+        return sent, done | got, failed | lost
 
     # -- reporting ---------------------------------------------------------------------
     def take_failed(self) -> dict[str, str]:
