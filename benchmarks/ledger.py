@@ -145,7 +145,26 @@ def _kv_layout(doc: dict) -> tuple[str, dict]:
                    for name, s in doc["shapes"].items()}
 
 
-EXTRACTORS = {"kv_layout": _kv_layout, "needle": _needle, "gpu_connector_audit": _gpu_audit,
+def _multi_turn(doc: dict) -> tuple[str, dict]:
+    """Prompt tokens computed per later turn (mean over conversations and turns 2..T), by
+    arm; the connector's host hits; turns whose tokens equal resident serving's."""
+    c, rows, arms = doc["config"], doc["per_turn"], doc["arms"]
+
+    def later(arm: str, key: str) -> float:
+        sel = [r for r in rows if r["arm"] == arm and r["turn"] > 1]
+        return round(sum(r[key] * r["conversations"] for r in sel)
+                     / max(1, sum(r["conversations"] for r in sel)), 1)
+    out = {f"computed_per_later_turn_{arm}": later(arm, "computed_tokens") for arm in arms}
+    out.update({f"max_running_{arm}": max(a["running"]) for arm, a in arms.items()})
+    hp = arms.get("connector", {}).get("host_prefix") or {}
+    out.update(host_hits=hp.get("loads", 0), turns=len(arms["resident"]["turns"]),
+               same_tokens_connector=sum(r["same_tokens_as_resident"] or 0 for r in rows
+                                         if r["arm"] == "connector"))
+    return f"c{c['conversations']}_{c['first_tokens']}tok_kv{c['kv_cache_bytes'] // 10**6}mb", out
+
+
+EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,
+              "gpu_connector_audit": _gpu_audit,
               "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity,
               "gpu_connector": _gpu_connector, "gpu_capacity": _gpu_capacity,
               "bench_sessions": _bench_sessions, "cpu_server": _cpu_server}

