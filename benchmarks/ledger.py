@@ -157,6 +157,12 @@ def _multi_turn(doc: dict) -> tuple[str, dict]:
     out = {f"computed_per_later_turn_{arm}": later(arm, "computed_tokens") for arm in arms}
     out.update({f"max_running_{arm}": max(a["running"]) for arm, a in arms.items()})
     hp = arms.get("connector", {}).get("host_prefix") or {}
+    src = {arm: a["prompt_tokens_by_source"] for arm, a in arms.items()}
+    out.update(host_tokens=src["connector"].get("external_kv_transfer", 0),
+               cache_tokens_connector=src["connector"].get("local_cache_hit", 0),
+               cache_tokens_resident=src["resident"].get("local_cache_hit", 0),
+               later_turns=sum(r["conversations"] for r in rows
+                               if r["arm"] == "resident" and r["turn"] > 1))
     out.update(host_hits=hp.get("loads", 0), turns=len(arms["resident"]["turns"]),
                same_tokens_connector=sum(r["same_tokens_as_resident"] or 0 for r in rows
                                          if r["arm"] == "connector"))
@@ -243,6 +249,14 @@ HEADLINES = (
     ("more sessions in the same KV memory, CPU", ("capacity", "cpu"),
      "{connector_running} requests at once against resident's {resident_running} in "
      "{kv_mb} MB of KV at {prompt_tokens}-token prompts"),
+    ("multi-turn prefixes from host memory, CPU", ("multi_turn", "c12_3000tok_kv170mb"),
+     "{computed_per_later_turn_connector} prompt tokens computed per later turn against "
+     "{computed_per_later_turn_resident} resident ({computed_per_later_turn_connector_no_host} "
+     "without host hits); resident's cache served {cache_tokens_resident} tokens, the "
+     "connector's {cache_tokens_connector} and host memory {host_tokens} ({host_hits} of "
+     "{later_turns} later turns); tokens as resident's in {same_tokens_connector} of {turns} "
+     "turns; at most {max_running_connector} requests at once (resident "
+     "{max_running_resident})"),
     ("sessions in the same KV memory, GPU (not yet more)", ("gpu_capacity", "kv1.5g_rate0.5"),
      "{max_decoding_connector} requests decoding at once against resident's "
      "{max_decoding_resident} in 1.5 GiB at 32K-128K-token prompts, {tokens_per_s_connector} "

@@ -24,7 +24,7 @@ H200 = Platform(False, "cuda", SimpleNamespace(major=9, minor=0))
 
 
 def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, role="kv_both",
-           world_size=1, graphs="NONE", compiled="NONE"):
+           world_size=1, graphs="NONE", compiled="NONE", extra=None):
     """What check_supported reads of an engine config: the step budget against the
     longest prompt; on CUDA the speculative config, the KV role, the GPUs per engine and the
     CUDA graph and compilation modes (--enforce-eager: both NONE)."""
@@ -32,14 +32,16 @@ def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, ro
         model_config=SimpleNamespace(max_model_len=max_model_len),
         scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
                                          max_num_scheduled_tokens=budget),
-        speculative_config=spec, kv_transfer_config=SimpleNamespace(kv_role=role),
+        speculative_config=spec,
+        kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=extra or {}),
         parallel_config=SimpleNamespace(world_size=world_size),
         compilation_config=SimpleNamespace(
             cudagraph_mode=None if graphs is None else SimpleNamespace(name=graphs),
             mode=None if compiled is None else SimpleNamespace(name=compiled)))
 
 
-@pytest.mark.parametrize("cfg", [config(), config(8192), config(1024, chunked_prefill=True)])
+@pytest.mark.parametrize("cfg", [config(), config(8192), config(1024, chunked_prefill=True),
+                                 config(extra={"host_prefix_gib": 1.0})])
 def test_what_runs_today_is_accepted(cfg):
     check_supported(cfg, Platform(True, "cpu"))
 
@@ -88,6 +90,7 @@ def test_the_graphs_refusal_names_the_way_out():
      r"speculative decoding \(dspark\).*Drop --speculative-config"),
     (H200, config(role="kv_producer"), r"kv_role 'kv_producer'.*kv_role 'kv_both'"),
     (H200, config(world_size=2), r"2 GPUs per engine.*one engine per GPU"),
+    (H200, config(extra={"host_prefix_gib": 0.5}), r"host_prefix_gib .* Leave it 0"),
 ])
 def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):
