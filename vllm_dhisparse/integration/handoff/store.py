@@ -21,6 +21,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 
+def kv_nbytes(rows: dict[str, torch.Tensor],
+              blocks: dict[str, tuple[list[int], torch.Tensor]]) -> int:
+    """Bytes of c4a rows and blocks by position, as a handoff or a host prefix entry
+    holds them."""
+    return sum(t.numel() * t.element_size() for t in rows.values()) + \
+        sum(t.numel() * t.element_size() for _, t in blocks.values())
+
+
 @dataclass
 class Handoff:
     handoff_id: str
@@ -32,8 +40,7 @@ class Handoff:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.rows.values()) + \
-            sum(t.numel() * t.element_size() for _, t in self.blocks.values())
+        return kv_nbytes(self.rows, self.blocks)
 
 
 @dataclass

@@ -18,9 +18,10 @@ Both halves therefore use one rule: N is the tokens the request's latest
 scheduled step leaves computed (its computed tokens plus the step's tokens but
 drafts), rounded down to the scheduler's block (the LCM of the groups' block
 sizes, 256 tokens), and the worker snapshots the window blocks after the
-forward that passes a new N, before vLLM can free them.  An entry is keyed by vLLM's block hash
-at N (``Request.block_hashes``, chained over every token before, and over the
-request's cache salt and LoRA), so a hit needs the same N in the later prompt.
+forward that passes a new N, before vLLM can free them.  An entry is keyed by
+vLLM's block hash at N (``Request.block_hashes``, chained over every token
+before, and over the request's cache salt and LoRA), so a hit needs the same N
+in the later prompt.
 
 When a capture reads.  vLLM zeroes reused blocks before the connector sees a step
 (mixed-precision caches), so a capture never reads a freed block: a finished

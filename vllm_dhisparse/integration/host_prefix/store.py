@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.logger import init_logger
 
+from ..handoff.store import kv_nbytes
 from ..handoff.worker import NULL_BLOCK, KVLayout
 from ..metadata import PrefixCapture, PrefixLoad
 from .index import layer_specs, window_positions
@@ -41,8 +42,7 @@ class PrefixEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.rows.values()) + \
-            sum(t.numel() * t.element_size() for _, t in self.blocks.values())
+        return kv_nbytes(self.rows, self.blocks)
 
 
 @dataclass
