@@ -169,7 +169,23 @@ def _multi_turn(doc: dict) -> tuple[str, dict]:
     return f"c{c['conversations']}_{c['first_tokens']}tok_kv{c['kv_cache_bytes'] // 10**6}mb", out
 
 
+def _gpu_host_prefix(doc: dict) -> tuple[str, dict]:
+    """``gpu_connector.py --scenarios host_prefix``: the second turn's tokens loaded from
+    host, and its outputs against resident's and resident's against a second resident's."""
+    arms, cmp = doc["arms"], doc["comparisons"]
+    sc = {a: arms[a]["scenarios"]["host_prefix"] for a in arms}
+    cached = {a: sum(o["num_cached_tokens"] for o in s["outputs"].values()) for a, s in sc.items()}
+    out = dict(tokens_loaded=sc["connector"]["host_prefix"]["tokens_loaded"],
+               cached_connector=cached["connector"], cached_resident=cached["resident"])
+    for pair in ("connector_vs_resident", "resident_vs_resident2"):
+        c = cmp[pair]["host_prefix"]
+        out[f"{pair}_tokens_equal"] = not c["tokens_differ"]
+        out[f"{pair}_max_logprob_diff"] = round(c["max_logprob_diff"], 4)
+    return "second_turn", out
+
+
 EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,
+              "gpu_host_prefix": _gpu_host_prefix,
               "gpu_connector_audit": _gpu_audit,
               "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity,
               "gpu_connector": _gpu_connector, "gpu_capacity": _gpu_capacity,

@@ -14,7 +14,8 @@ the reason and the way out, instead of producing wrong tokens without an error:
   test-gpu).  That audit has run on an H100, eagerly and with FULL decode graphs
   replayed; ``FULL`` graphs of mixed prefill/decode batches, a compiled model and SM100
   (B200) it has not covered, so they are refused with that reason, and so are prefix hits
-  from host memory (``host_prefix_gib``), whose run on CUDA is a measurement.  A subclass
+  from host memory (``host_prefix_gib``: run on an H100, outputs as resident's within vLLM's
+  own run-to-run spread, not yet checked byte for byte there).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
   package and its config) lets them through.  What has not run on CUDA at all is refused
   for it too: speculative decoding, the P/D roles, more than one GPU per engine, other
@@ -129,8 +130,8 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
         return None
     extra = getattr(ktc, "kv_connector_extra_config", None) or {}
     if extra.get("host_prefix_gib"):
-        return ("host_prefix_gib (prefix hits from host memory) has not run on CUDA yet; "
-                "it serves on vLLM's CPU platform. Leave it 0 (the default) on CUDA.")
+        return ("host_prefix_gib (prefix hits from host memory) is not shown exact on CUDA "
+                "yet; it serves on vLLM's CPU platform. Leave it 0 (the default) on CUDA.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
