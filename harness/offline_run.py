@@ -239,6 +239,18 @@ def settle_loads(timeout_s: float = 300) -> None:
         time.sleep(0.01)
 
 
+def reset_prefix_cache(llm, tries: int = 3) -> int | None:
+    """Drops vLLM's prefix cache (not the connector's host entries), stepping the engine
+    while it refuses: a finished request's blocks are freed once the connector has copied
+    them, in the step that tells the workers it finished.  The steps it took, or None when
+    vLLM still refused."""
+    for steps in range(tries):
+        if llm.reset_prefix_cache():
+            return steps
+        llm.llm_engine.step()
+    return None
+
+
 def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle=False,
                       turns=None, reset_before=None, priority=None):
     """``LLM.generate`` by hand, so the running-request count is sampled every step;
@@ -268,16 +280,9 @@ def generate_stepwise(llm, prompts, params, arrivals=None, preempt_at=(), settle
                 prev = done[ids[turns[i]]]
                 prompt = {"prompt_token_ids": list(prev.prompt_token_ids)
                           + list(prev.outputs[0].token_ids) + prompt["prompt_token_ids"]}
-            if i == reset_before:
-                # a finished request's blocks are freed once the connector has copied them,
-                # in the step that tells the workers it finished
-                for _ in range(3):
-                    if llm.reset_prefix_cache():
-                        break
-                    engine.step()
-                else:
-                    raise SystemExit(f"--reset-prefix-cache-before {i}: vLLM refused (requests "
-                                     f"hold blocks)")
+            if i == reset_before and reset_prefix_cache(llm) is None:
+                raise SystemExit(f"--reset-prefix-cache-before {i}: vLLM refused (requests "
+                                 f"hold blocks)")
             engine.add_request(ids[i], prompt, params[i],
                                priority=priority[i] if priority else 0)
         for i, at in preempt_at:

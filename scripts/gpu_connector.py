@@ -144,28 +144,18 @@ def second_turn(llm, scale: float) -> dict:
     after vLLM's prefix cache lost the first (``reset_prefix_cache``: vLLM's cache, not the
     connector's, as if other requests had taken the blocks).  Resident serving computes the
     prefix again; the connector with ``host_prefix_gib`` loads it from host memory."""
+    from harness.offline_run import reset_prefix_cache
     first = prompt(int(9000 * scale), 80)
     r1 = drive(llm, "host_prefix_turn1", [first], [24])
     out = r1["outputs"]["host_prefix_turn1-0"]
-    # a finished request's blocks are freed once the connector has copied them, in the step
-    # that tells the worker it finished (drive's last)
-    for tries in range(4):
-        if llm.reset_prefix_cache():
-            break
-        llm.llm_engine.step()
-    else:
+    steps = reset_prefix_cache(llm, tries=4)
+    if steps is None:
         raise RuntimeError("reset_prefix_cache refused: blocks still held")
     r2 = drive(llm, "host_prefix", [first + out["tokens"] + prompt(int(700 * scale), 81)], [24])
-    r2.update(first_turn=out, reset_after_steps=tries, host_prefix=host_prefix_summary())
+    report = worker_report()
+    r2.update(first_turn=out, reset_after_steps=steps,
+              host_prefix=report.get("host_prefix") if report else None)
     return r2
-
-
-def host_prefix_summary() -> dict | None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-    if not has_kv_transfer_group():
-        return None
-    w = get_kv_transfer_group().dhisparse_worker
-    return None if w is None else w.summary().get("host_prefix")
 
 
 def count_python_decodes() -> dict:
@@ -258,12 +248,18 @@ def routed_selected() -> int | None:
     return int(sum(int(r.counters[COUNTER_SELECTED]) for r in binding.routed.values()))
 
 
-def worker_summary() -> dict | None:
+def worker_report() -> dict | None:
+    """The connector worker's summary (``WorkerSide.summary``), None without one."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     if not has_kv_transfer_group():
         return None
     w = get_kv_transfer_group().dhisparse_worker
-    return None if w is None else w.summary()["totals"]
+    return None if w is None else w.summary()
+
+
+def worker_summary() -> dict | None:
+    report = worker_report()
+    return None if report is None else report["totals"]
 
 
 def llm_child(args) -> None:

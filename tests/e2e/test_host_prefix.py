@@ -19,11 +19,12 @@ entries; resident serving keeps its cache and hits it.
 Both hits are longer than the 512-token device window.
 
 A preempted request resumes from its host entry (``test_preempted_request_resumes_from_host``):
-r0 (1300-token prompt, 40 outputs, priority 1) is preempted at step 8 through the scheduler's
-own ``_preempt_request`` (the harness's ``--preempt``; vLLM 0.32 preempts by itself only a
-running request that cannot grow, and with its admission check -- a request's whole prompt
-must fit before it starts -- runs of this model near its smallest pool did not get there).  Two 2000-token requests of priority 0 arrive in that step; vLLM's priority
-policy serves them first, and their prefills take every free block, r0's cached ones
+r0 (1300-token prompt, 40 outputs, priority 1) is preempted at step 8 through the
+scheduler's own ``_preempt_request`` (the harness's ``--preempt``; vLLM 0.32 preempts by
+itself only a running request that cannot grow, and with its admission check -- a
+request's whole prompt must fit before it starts -- runs of this model near its smallest
+pool did not get there).  Two 2000-token requests of priority 0 arrive in that step;
+vLLM's priority policy serves them first, and their prefills take every free block, r0's cached ones
 included, so when r0 resumes vLLM's prefix cache holds none of its prefix: resident serving
 recomputes all 1307 tokens r0 had, the connector loads 1280 from host (its entry's 256-token
 boundary) and computes the 27 after it.
