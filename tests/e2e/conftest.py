@@ -1,14 +1,20 @@
 """E2E fixtures: the demo model (built once) and a runner for offline vLLM generations.
 
-Each generation runs in its own process (vLLM keeps global state), through
-``python -m harness.offline_run``.
+Each generation runs in its own process (vLLM keeps global state), the process of
+``python -m harness.offline_run``, forked from a server that has imported vLLM already
+(forkserver.py: half of a small run's start on two cores).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -59,15 +65,95 @@ def resident_run(demo_model):
     return get
 
 
+class _ForkServer:
+    """Client of one tests/e2e/forkserver.py process (one environment)."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.forkserver"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+        self.ready = False
+
+    def _answer(self, deadline: float) -> dict | None:
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if select.select([self.fd], [], [], left)[0]:
+                chunk = os.read(self.fd, 65536)
+                if not chunk:
+                    raise AssertionError(f"the fork server ended (rc={self.proc.wait()})")
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: list[str], out: str, err: str, timeout: float) -> int | None:
+        """The run's exit code; None when it ran past ``timeout`` (then killed)."""
+        deadline = time.monotonic() + timeout
+        if not self.ready:
+            assert self._answer(deadline) == {"ready": True}
+            self.ready = True
+        self.proc.stdin.write(json.dumps(dict(argv=argv, out=out, err=err)).encode() + b"\n")
+        self.proc.stdin.flush()
+        pid = self._answer(deadline)["pid"]
+        done = self._answer(deadline)
+        if done is None:
+            os.kill(pid, signal.SIGKILL)
+            self._answer(time.monotonic() + 120)
+            return None
+        return done["rc"]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+# One server per environment, the most recently used few kept (each holds vLLM's imports).
+_SERVERS: dict[tuple, _ForkServer] = {}
+_KEEP = 3
+FORKSERVER = os.environ.get("DHISPARSE_TEST_FORKSERVER", "1") != "0"
+
+
+@atexit.register
+def _close_servers() -> None:
+    while _SERVERS:
+        _SERVERS.popitem()[1].close()
+
+
+def _run_forked(argv: list[str], env: dict, timeout: int) -> tuple[int, str, str]:
+    key = tuple(sorted(env.items()))
+    server = _SERVERS.pop(key, None) or _ForkServer(env)
+    _SERVERS[key] = server  # most recent last
+    while len(_SERVERS) > _KEEP:
+        _SERVERS.pop(next(iter(_SERVERS))).close()
+    with tempfile.TemporaryDirectory() as d:
+        out, err = os.path.join(d, "out"), os.path.join(d, "err")
+        rc = server.run(argv, out, err, timeout)
+        if rc is None:
+            raise subprocess.TimeoutExpired(argv, timeout)
+        return rc, open(out).read(), open(err).read()
+
+
 def run_offline(model: str, *args: str, env: dict | None = None, timeout: int = 1500) -> dict:
-    cmd = [sys.executable, "-m", "harness.offline_run", "--model", model, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **INPROC, **(env or {})}, cwd=REPO)
-    for line in proc.stdout.splitlines():
+    """``python -m harness.offline_run --model MODEL ARGS`` in a process of its own: forked
+    from a server that has imported vLLM under the same environment (forkserver.py), or
+    started afresh with ``DHISPARSE_TEST_FORKSERVER=0``."""
+    argv = ["--model", model, *args]
+    cmd = [sys.executable, "-m", "harness.offline_run", *argv]
+    full_env = {**os.environ, **INPROC, **(env or {})}
+    if FORKSERVER:
+        rc, stdout, stderr = _run_forked(argv, full_env, timeout)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=REPO)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    for line in stdout.splitlines():
         if line.startswith("DHISPARSE_RESULT "):
             return json.loads(line[len("DHISPARSE_RESULT "):])
-    raise AssertionError(f"offline run failed (rc={proc.returncode}): {' '.join(cmd)}\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    raise AssertionError(f"offline run failed (rc={rc}): {' '.join(cmd)}\n"
+                         f"{stdout[-3000:]}\n{stderr[-6000:]}")
 
 
 def assert_same_outputs(got: dict, want: dict, logprobs: bool = True) -> None:
