@@ -30,7 +30,9 @@ the same batches: ``batch`` (16 prompts of 2K-14K tokens at once, outputs of 16-
 ``preempt`` (a decoding request preempted, the way vLLM's scheduler does when blocks run
 out, and resumed) and ``abort`` (a decoding request aborted; the others go on); asked for
 by name, ``host_prefix`` (a second turn after vLLM's prefix cache lost the first: with
-``host_prefix_gib`` in ``--extra`` and ``--unaudited``, the connector loads it from host).  Each
+``host_prefix_gib`` in ``--extra`` and ``--unaudited``, the connector loads it from host) and
+``host_prefix_bytes`` (the loaded KV against vLLM's blocks, byte for byte:
+gpu_host_prefix_bytes.py).  Each
 output's tokens and the sampled tokens' logprobs are compared with resident's bit for bit.
 The connector arm also records the hierarchy's census (selections read from the device's
 hot cache / tail or fetched from host) and how often the routed decode's Python ran outside
@@ -131,6 +133,9 @@ def scenario(llm, name: str, key: dict, scale: float) -> dict:
         return drive(llm, name, [batch[8][:int(8192 * scale)] + prompt(700, 99)], [24])
     if name == "host_prefix":
         return second_turn(llm, scale)
+    if name == "host_prefix_bytes":
+        from gpu_host_prefix_bytes import check
+        return check(llm, scale, prompt)
     mixed = [prompt(int(n * scale), 50 + i) for i, n in enumerate((3000, 5000, 9000, 12000))]
     if name == "preempt":
         return drive(llm, name, mixed, [40] * 4, preempt_at=(2, 12))

@@ -1,13 +1,14 @@
 """The connector inside vLLM's GPU engine against resident serving (``make test-gpu``).
 
-Runs ``scripts/gpu_connector.py`` twice: the four engines with vLLM's GPU defaults (FULL
+Runs ``scripts/gpu_connector.py``: the four engines with vLLM's GPU defaults (FULL
 CUDA graphs), and connector engines, eager and with FULL graphs, that audit every routed
 decode call (eager or replayed) against upstream's decode on vLLM's blocks; the calls that
 serve requests must all be bitwise (vLLM's warm-up batches, before any request, are counted
-apart: the routed decode serves no request there and reads no row).  vLLM's GPU engine is not bitwise between two runs of
-one batch on DeepSeek-V4 (benchmarks/NOTES.md, 2026-12-05), so the connector's tokens must
-equal resident's only where resident's equal resident's; the audit must be bitwise in every
-call.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33; skipped elsewhere.
+apart: the routed decode serves no request there and reads no row); and a connector engine
+with host prefix hits, whose loaded KV must equal vLLM's own blocks byte for byte.  vLLM's
+GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (benchmarks/NOTES.md,
+2026-12-05), so the connector's tokens must equal resident's only where resident's equal
+resident's; the audit must be bitwise in every call.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33; skipped elsewhere.
 """
 import json
 import os
@@ -65,3 +66,17 @@ def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path, graph
         assert arm["audit"]["captured_calls"] > 0 and audit["replayed_calls"] > 0, arm["audit"]
     assert audit["calls"] > 0 and audit["equal"] == audit["calls"], audit
     assert census["host"] >= 0.3 * (census["direct"] + census["hot"] + census["host"]), census
+
+
+def test_a_host_prefix_hit_loads_the_bytes_vllm_computed(tmp_path):
+    """With vLLM's GPU defaults: a prompt's KV loaded from its host entry after vLLM's prefix
+    cache lost it equals, block by block and row by row, what vLLM's prefill wrote for
+    those tokens (scripts/gpu_host_prefix_bytes.py); a second turn loads from host."""
+    extra = {"hot_cache_rows": 512, "optional_residency": False, "host_prefix_gib": 2}
+    doc = run(tmp_path, "--arms", "connector", "--scenarios", "host_prefix_bytes,host_prefix",
+              "--extra", json.dumps(extra))
+    scen = doc["arms"]["connector"]["scenarios"]
+    got = scen["host_prefix_bytes"]
+    assert got["loaded_equal_computed"], got
+    assert got["compared"]["c4a"]["units"] > 0 and got["compared"]["sliding"]["units"] > 0, got
+    assert scen["host_prefix"]["host_prefix"]["tokens_loaded"] > 0, scen["host_prefix"]

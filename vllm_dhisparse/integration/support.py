@@ -13,9 +13,10 @@ the reason and the way out, instead of producing wrong tokens without an error:
   bit to upstream's decode on vLLM's blocks (scripts/gpu_connector.py --audit, make
   test-gpu).  That audit has run on an H100, eagerly and with FULL decode graphs
   replayed; ``FULL`` graphs of mixed prefill/decode batches, a compiled model and SM100
-  (B200) it has not covered, so they are refused with that reason, and so are prefix hits
-  from host memory (``host_prefix_gib``: run on an H100, outputs as resident's within vLLM's
-  own run-to-run spread, not yet checked byte for byte there).  A subclass
+  (B200) it has not covered, so they are refused with that reason.  Prefix hits from host
+  memory (``host_prefix_gib``) are served: inside the engine the KV a hit loads equals, byte
+  for byte, the blocks vLLM computed for those tokens (scripts/gpu_host_prefix_bytes.py,
+  make test-gpu).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
   package and its config) lets them through.  What has not run on CUDA at all is refused
   for it too: speculative decoding, the P/D roles, more than one GPU per engine, other
@@ -128,10 +129,6 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
     if unaudited:
         return None
-    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
-    if extra.get("host_prefix_gib"):
-        return ("host_prefix_gib (prefix hits from host memory) is not shown exact on CUDA "
-                "yet; it serves on vLLM's CPU platform. Leave it 0 (the default) on CUDA.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
