@@ -184,8 +184,48 @@ def _gpu_host_prefix(doc: dict) -> tuple[str, dict]:
     return "second_turn", out
 
 
+def _gpu_host_prefix_bytes(doc: dict) -> tuple[str, dict]:
+    """``gpu_connector.py --scenarios host_prefix_bytes``: a hit's loaded KV against the blocks
+    vLLM computed (y against x), and vLLM's second prefill against its first (z against x)."""
+    r = doc["arms"]["connector"]["scenarios"]["host_prefix_bytes"]
+    out = dict(loaded_tokens=r["loaded_tokens"], loaded_equal_computed=r["loaded_equal_computed"])
+    for kind, c in r["compared"].items():
+        out[f"{kind}_equal"] = f"{c['y_eq_x']}/{c['units']}"
+        out[f"{kind}_vllm_again_equal"] = f"{c['x_eq_z']}/{c['units']}"
+    return "package_class", out
+
+
+def _gpu_package_scenarios(doc: dict) -> tuple[str, dict]:
+    """``gpu_connector.py --arms resident,connector`` with the package's class: per scenario,
+    whether the connector's tokens equal resident's, and the largest logprob gap."""
+    cmp = doc["comparisons"]["connector_vs_resident"]
+    out = {f"{s}_tokens_equal": not c["tokens_differ"] for s, c in cmp.items()}
+    out.update({f"{s}_max_logprob_diff": round(c["max_logprob_diff"], 4) for s, c in cmp.items()})
+    hp = doc["arms"]["connector"]["scenarios"].get("host_prefix", {}).get("host_prefix") or {}
+    out["tokens_loaded"] = hp.get("tokens_loaded", 0)
+    return "host_prefix_package", out
+
+
+def _gpu_serve_metrics(doc: dict) -> tuple[str, dict]:
+    """``gpu_connector.py --arms serve-connector``: the pass key, and the counters of the
+    ``/metrics`` scrape taken once the requests have ended."""
+    arm = doc["arms"]["serve-connector"]
+    got = {}
+    for line in arm.get("metrics", []):
+        name = line.partition("{")[0]
+        if name.endswith("_total"):
+            got[name.split("dhisparse_", 1)[-1]] = float(line.rsplit(" ", 1)[-1])
+    return "serve_idle_scrape", dict(
+        passkey_answered=arm.get("passkey_answered"), admissions=got.get("admissions_total"),
+        selected_rows=got.get("selected_rows_total"),
+        selected_rows_host=got.get("selected_rows_host_total"))
+
+
 EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,
               "gpu_host_prefix": _gpu_host_prefix,
+              "gpu_host_prefix_bytes": _gpu_host_prefix_bytes,
+              "gpu_host_prefix_package": _gpu_package_scenarios,
+              "gpu_serve_metrics": _gpu_serve_metrics,
               "gpu_connector_audit": _gpu_audit,
               "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity,
               "gpu_connector": _gpu_connector, "gpu_capacity": _gpu_capacity,

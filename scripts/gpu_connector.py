@@ -590,8 +590,12 @@ def main(argv=None) -> int:
     if "serve-resident" in results and "serve-connector" in results:
         cmp["serve_connector_vs_resident"] = compare(results["serve-connector"],
                                                      results["serve-resident"])
-    doc = dict(meta=gpu_engine.meta(), model=args.model, batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"), kv_cache_memory_bytes=args.kv_bytes,
-               extra_config=json.loads(args.extra), batch_prompt_tokens=BATCH_LENS,
+    # connector_class: the package's, or the measuring subclass (--unaudited)
+    doc = dict(meta=gpu_engine.meta(), model=args.model,
+               batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"),
+               kv_cache_memory_bytes=args.kv_bytes, extra_config=json.loads(args.extra),
+               connector_class="MeasuredConnector" if args.unaudited else "DHiSparseConnector",
+               scenarios=args.scenarios.split(","), batch_prompt_tokens=BATCH_LENS,
                arms=results, comparisons=cmp)
     with open(os.path.join(args.out, "gpu_connector.json"), "w") as f:
         json.dump(doc, f, indent=1)
