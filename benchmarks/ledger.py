@@ -313,6 +313,12 @@ HEADLINES = (
      "{later_turns} later turns); tokens as resident's in {same_tokens_connector} of {turns} "
      "turns; at most {max_running_connector} requests at once (resident "
      "{max_running_resident})"),
+    ("prefix hits from host memory inside vLLM's GPU engine, byte for byte",
+     ("gpu_host_prefix_bytes", "package_class"),
+     "{loaded_tokens} tokens loaded from host equal the blocks vLLM's prefill wrote for them "
+     "in {full_equal} full-attention blocks, {sliding_equal} window blocks and {c4a_equal} "
+     "c4a rows (vLLM's second prefill of the prompt equals its first in "
+     "{full_vllm_again_equal}, {sliding_vllm_again_equal}, {c4a_vllm_again_equal})"),
     ("sessions in the same KV memory, GPU (not yet more)", ("gpu_capacity", "kv1.5g_rate0.5"),
      "{max_decoding_connector} requests decoding at once against resident's "
      "{max_decoding_resident} in 1.5 GiB at 32K-128K-token prompts, {tokens_per_s_connector} "
