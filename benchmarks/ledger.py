@@ -184,6 +184,15 @@ def _gpu_host_prefix(doc: dict) -> tuple[str, dict]:
     return "second_turn", out
 
 
+def _connector_class(doc: dict) -> str:
+    """The connector class a ``gpu_connector.py`` run served with; runs before the JSON named
+    it were of the package's class where the package accepted the configuration."""
+    name = doc.get("connector_class", "DHiSparseConnector")
+    if name != "DHiSparseConnector":
+        raise ValueError(f"a run of {name}, not the package's class")
+    return "package_class"
+
+
 def _gpu_host_prefix_bytes(doc: dict) -> tuple[str, dict]:
     """``gpu_connector.py --scenarios host_prefix_bytes``: a hit's loaded KV against the blocks
     vLLM computed (y against x), and vLLM's second prefill against its first (z against x)."""
@@ -192,15 +201,21 @@ def _gpu_host_prefix_bytes(doc: dict) -> tuple[str, dict]:
     for kind, c in r["compared"].items():
         out[f"{kind}_equal"] = f"{c['y_eq_x']}/{c['units']}"
         out[f"{kind}_vllm_again_equal"] = f"{c['x_eq_z']}/{c['units']}"
-    return "package_class", out
+    if "y_blocks_where_x_had_them" in r:
+        out["y_blocks_where_x_had_them"] = r["y_blocks_where_x_had_them"]
+    return _connector_class(doc), out
 
 
 def _gpu_package_scenarios(doc: dict) -> tuple[str, dict]:
-    """``gpu_connector.py --arms resident,connector`` with the package's class: per scenario,
-    whether the connector's tokens equal resident's, and the largest logprob gap."""
-    cmp = doc["comparisons"]["connector_vs_resident"]
-    out = {f"{s}_tokens_equal": not c["tokens_differ"] for s, c in cmp.items()}
-    out.update({f"{s}_max_logprob_diff": round(c["max_logprob_diff"], 4) for s, c in cmp.items()})
+    """``gpu_connector.py --arms resident,connector``: per scenario, the outputs compared,
+    whether the connector's tokens equal resident's (false where a scenario failed or
+    compared nothing), and the largest logprob gap."""
+    _connector_class(doc)
+    out = {}
+    for s, c in doc["comparisons"]["connector_vs_resident"].items():
+        out[f"{s}_compared"] = c.get("compared", 0)
+        out[f"{s}_tokens_equal"] = c.get("compared", 0) > 0 and not c.get("tokens_differ", [1])
+        out[f"{s}_max_logprob_diff"] = round(c.get("max_logprob_diff", float("nan")), 4)
     hp = doc["arms"]["connector"]["scenarios"].get("host_prefix", {}).get("host_prefix") or {}
     out["tokens_loaded"] = hp.get("tokens_loaded", 0)
     return "host_prefix_package", out
@@ -208,17 +223,23 @@ def _gpu_package_scenarios(doc: dict) -> tuple[str, dict]:
 
 def _gpu_serve_metrics(doc: dict) -> tuple[str, dict]:
     """``gpu_connector.py --arms serve-connector``: the pass key, and the counters of the
-    ``/metrics`` scrape taken once the requests have ended."""
+    ``/metrics`` scrape taken once the requests have ended (summed over label sets)."""
+    _connector_class(doc)
     arm = doc["arms"]["serve-connector"]
-    got = {}
+    got: dict[str, float] = {}
     for line in arm.get("metrics", []):
         name = line.partition("{")[0]
         if name.endswith("_total"):
-            got[name.split("dhisparse_", 1)[-1]] = float(line.rsplit(" ", 1)[-1])
+            key = name.split("dhisparse_", 1)[-1]
+            got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[-1])
+    missing = [k for k in ("admissions_total", "selected_rows_total",
+                           "selected_rows_host_total") if k not in got]
+    if missing:
+        raise ValueError(f"the scrape lacks {missing}")
     return "serve_idle_scrape", dict(
-        passkey_answered=arm.get("passkey_answered"), admissions=got.get("admissions_total"),
-        selected_rows=got.get("selected_rows_total"),
-        selected_rows_host=got.get("selected_rows_host_total"))
+        passkey_answered=arm.get("passkey_answered"), admissions=got["admissions_total"],
+        selected_rows=got["selected_rows_total"],
+        selected_rows_host=got["selected_rows_host_total"])
 
 
 EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,

@@ -19,7 +19,10 @@ c4a layers are compared by rows (data and scales; a block's padding is no row), 
 layers by whole blocks.  Block ids are read from vLLM's scheduler right after each schedule (the first
 id each position had: vLLM hands sliding-window blocks back and the device window c4a
 blocks while a request runs), and each request's bytes are copied as soon as it has ended,
-before the next request can be given its blocks.
+before the next request can be given its blocks.  vLLM hands an ended request's blocks to
+the next (``y_blocks_x_held`` counts them): y given x's block at the same position would
+equal x's whatever the load wrote, so the check fails unless there is none
+(``y_blocks_where_x_had_them``).
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ def _drive(llm, rid: str, ids: list[int], max_tokens: int, salt: str | None) -> 
         out = schedule(*a, **kw)
         record()
         return out
+    patched = vars(sched).get("schedule")  # an instance patch of the caller's, kept
     sched.schedule = recording
     cached = None
     try:
@@ -67,9 +71,25 @@ def _drive(llm, rid: str, ids: list[int], max_tokens: int, salt: str | None) -> 
                 if out.finished:
                     cached = out.num_cached_tokens
     finally:
-        del sched.schedule
+        if patched is None:
+            del sched.schedule
+        else:
+            sched.schedule = patched
     engine.step()  # tells the worker the request finished: its capture
     return dict(blocks=seen, num_cached_tokens=cached)
+
+
+def _compared_positions(store, n: int) -> set[tuple[int, int]]:
+    """(group, block position) pairs whose bytes are compared (see :func:`_contents`)."""
+    from vllm_dhisparse.integration.host_prefix.index import window_positions
+    out = set()
+    for name in store.layout.caches:
+        g = store.layout.group[name]
+        out |= {(g, p) for p in window_positions(store.spec[name], n)}
+    for layer in store.c4a.values():
+        rows = n // layer.compress_ratio
+        out |= {(layer.group, p) for p in range(-(-rows // layer.rows_per_block))}
+    return out
 
 
 def _contents(w, store, r: dict, n: int) -> dict:
@@ -147,8 +167,19 @@ def check(llm, scale: float, prompt) -> dict:
             t["y_eq_x"] += int(torch_equal(by, bx))
             t["x_eq_z"] += int(torch_equal(bx, bz))
     res["compared"] = kinds  # units: blocks (full, sliding) or rows (c4a)
-    res["loaded_equal_computed"] = (res["loaded_tokens"] == n and all(
-        k["y_eq_x"] == k["units"] > 0 and k["missing"] == 0 for k in kinds.values()))
+    # y given x's block at the same position would hold x's bytes whatever the load wrote
+    # (at another position it holds another token's bytes, which a load that wrote nothing
+    # leaves unequal)
+    def at(r: dict, g: int, p: int) -> int | None:
+        return r["blocks"][g].get(p) if g < len(r["blocks"]) else None
+    pairs = _compared_positions(store, n)
+    res["y_blocks_where_x_had_them"] = sum(
+        at(y, g, p) is not None and at(y, g, p) == at(x, g, p) for g, p in pairs)
+    x_ids = {b for g in x["blocks"] for b in g.values()}
+    res["y_blocks_x_held"] = sum(at(y, g, p) in x_ids for g, p in pairs)
+    res["loaded_equal_computed"] = (
+        res["loaded_tokens"] == n and bool(kinds) and res["y_blocks_where_x_had_them"] == 0
+        and all(k["y_eq_x"] == k["units"] > 0 and k["missing"] == 0 for k in kinds.values()))
     return res
 
 

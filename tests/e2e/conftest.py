@@ -68,13 +68,16 @@ def resident_run(demo_model):
 class _ForkServer:
     """Client of one tests/e2e/forkserver.py process (one environment)."""
 
-    def __init__(self, env: dict):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.forkserver"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    def __init__(self, env: dict, log: str):
+        self.log = log  # the server's own stderr (its imports)
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.forkserver"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, env=env, cwd=REPO)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
         self.ready = False
+        self.child: int | None = None
 
     def _answer(self, deadline: float) -> dict | None:
         while b"\n" not in self.buf:
@@ -84,36 +87,50 @@ class _ForkServer:
             if select.select([self.fd], [], [], left)[0]:
                 chunk = os.read(self.fd, 65536)
                 if not chunk:
-                    raise AssertionError(f"the fork server ended (rc={self.proc.wait()})")
+                    raise AssertionError(f"the fork server ended (rc={self.proc.wait()}):\n"
+                                         f"{open(self.log).read()[-4000:]}")
                 self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
 
     def run(self, argv: list[str], out: str, err: str, timeout: float) -> int | None:
         """The run's exit code; None when it ran past ``timeout`` (then killed)."""
-        deadline = time.monotonic() + timeout
-        if not self.ready:
-            assert self._answer(deadline) == {"ready": True}
+        if not self.ready:  # the imports, not counted in the run's time
+            hello = self._answer(time.monotonic() + 600)
+            assert hello and hello.get("ready"), f"the fork server is not ready: {hello}"
             self.ready = True
+        deadline = time.monotonic() + timeout
         self.proc.stdin.write(json.dumps(dict(argv=argv, out=out, err=err)).encode() + b"\n")
         self.proc.stdin.flush()
-        pid = self._answer(deadline)["pid"]
+        started = self._answer(deadline)
+        assert started is not None, "the fork server did not start the run"
+        self.child = started["pid"]
         done = self._answer(deadline)
         if done is None:
-            os.kill(pid, signal.SIGKILL)
-            self._answer(time.monotonic() + 120)
+            os.kill(self.child, signal.SIGKILL)
+            assert self._answer(time.monotonic() + 120) is not None
+            self.child = None
             return None
+        self.child = None
         return done["rc"]
 
     def close(self) -> None:
+        if self.child is not None:  # a run interrupted from outside
+            try:
+                os.kill(self.child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.kill()
         self.proc.wait()
 
 
 # One server per environment, the most recently used few kept (each holds vLLM's imports).
+# pytest's own per-test variable is no part of a run's environment.
 _SERVERS: dict[tuple, _ForkServer] = {}
 _KEEP = 3
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
 FORKSERVER = os.environ.get("DHISPARSE_TEST_FORKSERVER", "1") != "0"
+_LOGS = tempfile.mkdtemp(prefix="dhisparse-forkserver-")
 
 
 @atexit.register
@@ -123,14 +140,21 @@ def _close_servers() -> None:
 
 
 def _run_forked(argv: list[str], env: dict, timeout: int) -> tuple[int, str, str]:
+    env = {k: v for k, v in env.items() if k not in _VOLATILE}
     key = tuple(sorted(env.items()))
-    server = _SERVERS.pop(key, None) or _ForkServer(env)
+    server = _SERVERS.pop(key, None) or _ForkServer(
+        env, os.path.join(_LOGS, f"server{len(os.listdir(_LOGS))}.log"))
     _SERVERS[key] = server  # most recent last
     while len(_SERVERS) > _KEEP:
         _SERVERS.pop(next(iter(_SERVERS))).close()
     with tempfile.TemporaryDirectory() as d:
         out, err = os.path.join(d, "out"), os.path.join(d, "err")
-        rc = server.run(argv, out, err, timeout)
+        try:
+            rc = server.run(argv, out, err, timeout)
+        except BaseException:  # a server that failed once serves no later run
+            _SERVERS.pop(key, None)
+            server.close()
+            raise
         if rc is None:
             raise subprocess.TimeoutExpired(argv, timeout)
         return rc, open(out).read(), open(err).read()

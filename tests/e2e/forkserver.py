@@ -19,15 +19,29 @@ files.  ``{"ready": true}`` is the first line, once the imports are done.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 
 
+def _die_with_parent() -> None:
+    """SIGKILL when the parent process ends (Linux prctl PR_SET_PDEATHSIG): a test session
+    that is killed leaves no server, and a server that is killed no engine."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(req: dict) -> None:
+    _die_with_parent()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, path in ((1, req["out"]), (2, req["err"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -38,7 +52,11 @@ def _child(req: dict) -> None:
         from harness import offline_run
         rc = offline_run.main(req["argv"]) or 0
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:  # as the interpreter does: the message to stderr, exit status 1
+            print(e.code, file=sys.stderr)
+            rc = 1
     except BaseException:  # noqa: BLE001 -- reported in the run's stderr, as a process would
         traceback.print_exc()
     try:  # what an interpreter's normal exit runs (vLLM's shutdown hooks)
@@ -53,12 +71,17 @@ def _child(req: dict) -> None:
 def main() -> None:
     # the protocol keeps the pipe the client reads; fd 1 goes to stderr, because vLLM's
     # logger writes to stdout and would interleave with the answers
+    _die_with_parent()
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     import vllm  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
     from harness import offline_run  # noqa: F401
-    answers.write(json.dumps({"ready": True}) + "\n")
+    # a thread would not survive the fork (its locks could be held forever in the child)
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    answers.write(json.dumps({"ready": not threads, "threads": threads}) + "\n")
+    if threads:
+        return
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()

@@ -18,7 +18,7 @@ the reason and the way out, instead of producing wrong tokens without an error:
   for byte, the blocks vLLM computed for those tokens (scripts/gpu_host_prefix_bytes.py,
   make test-gpu).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
-  package and its config) lets them through.  What has not run on CUDA at all is refused
+  package and its config) lets the refused graph modes and SM100 through.  What has not run on CUDA at all is refused
   for it too: speculative decoding, the P/D roles, more than one GPU per engine, other
   GPUs; any other platform.
 
