@@ -79,6 +79,11 @@ def _drive(llm, rid: str, ids: list[int], max_tokens: int, salt: str | None) -> 
     return dict(blocks=seen, num_cached_tokens=cached)
 
 
+def _c4a_blocks(layer, n: int) -> range:
+    """Block positions of a c4a layer's first ``n // ratio`` rows."""
+    return range(-(-(n // layer.compress_ratio) // layer.rows_per_block))
+
+
 def _compared_positions(store, n: int) -> set[tuple[int, int]]:
     """(group, block position) pairs whose bytes are compared (see :func:`_contents`)."""
     from vllm_dhisparse.integration.host_prefix.index import window_positions
@@ -87,8 +92,7 @@ def _compared_positions(store, n: int) -> set[tuple[int, int]]:
         g = store.layout.group[name]
         out |= {(g, p) for p in window_positions(store.spec[name], n)}
     for layer in store.c4a.values():
-        rows = n // layer.compress_ratio
-        out |= {(layer.group, p) for p in range(-(-rows // layer.rows_per_block))}
+        out |= {(layer.group, p) for p in _c4a_blocks(layer, n)}
     return out
 
 
@@ -112,7 +116,7 @@ def _contents(w, store, r: dict, n: int) -> dict:
     for name, layer in store.c4a.items():
         g = r["blocks"][layer.group]
         rows = n // layer.compress_ratio
-        positions = range(-(-rows // layer.rows_per_block))
+        positions = _c4a_blocks(layer, n)
         ok = not reused and all(p in g for p in positions)
         out[name] = w.vllm_cache.first_rows(layer, [g[p] for p in positions], rows).clone() \
             if ok else None  # [rows, row_bytes] uint8
@@ -121,6 +125,7 @@ def _contents(w, store, r: dict, n: int) -> dict:
 
 def check(llm, scale: float, prompt) -> dict:
     """The scenario; ``prompt(length, seed)`` makes token ids."""
+    import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     from harness.offline_run import reset_prefix_cache
@@ -164,8 +169,8 @@ def check(llm, scale: float, prompt) -> dict:
                 t["missing"] += 1
                 continue
             t["units"] += 1
-            t["y_eq_x"] += int(torch_equal(by, bx))
-            t["x_eq_z"] += int(torch_equal(bx, bz))
+            t["y_eq_x"] += int(torch.equal(by, bx))
+            t["x_eq_z"] += int(torch.equal(bx, bz))
     res["compared"] = kinds  # units: blocks (full, sliding) or rows (c4a)
     # y given x's block at the same position would hold x's bytes whatever the load wrote
     # (at another position it holds another token's bytes, which a load that wrote nothing
@@ -181,8 +186,3 @@ def check(llm, scale: float, prompt) -> dict:
         res["loaded_tokens"] == n and bool(kinds) and res["y_blocks_where_x_had_them"] == 0
         and all(k["y_eq_x"] == k["units"] > 0 and k["missing"] == 0 for k in kinds.values()))
     return res
-
-
-def torch_equal(a, b) -> bool:
-    import torch
-    return bool(torch.equal(a, b))
