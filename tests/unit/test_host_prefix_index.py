@@ -132,6 +132,33 @@ def test_preempted_request_is_captured_and_its_resume_hits():
     assert idx.lookup(r, 0) == 1024
 
 
+@pytest.mark.parametrize("runner_v2", [True, False], ids=["runner_v2", "runner_v1"])
+def test_a_preempted_capture_carries_the_blocks_vllm_rewrites_before_the_forward(runner_v2):
+    """Model runner V2 only: V1 calls handle_preemptions before it writes a block."""
+    from vllm_dhisparse.integration.engine_core.scheduler_side import SchedulerSide
+    side = SchedulerSide(8192, prefix=PrefixIndex(10**9, kv_config(), True),
+                         rewrites_before_preemptions=runner_v2)
+    r = request("r", list(range(1100)))
+    r.num_prompt_tokens, r.sampling_params = 1100, SimpleNamespace(max_tokens=16)
+    side.on_new_request(r)
+    cached = SimpleNamespace(req_ids=["r"], num_computed_tokens=[0], new_block_ids=[([1],)],
+                             resumed_req_ids=set())
+
+    def out(preempted=(), zero=None, copies=None):
+        return SimpleNamespace(
+            scheduled_spec_decode_tokens={}, scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached if not preempted else SimpleNamespace(
+                req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set()),
+            num_scheduled_tokens={"r": 1030} if not preempted else {},
+            preempted_req_ids=set(preempted), finished_req_ids=set(),
+            new_block_ids_to_zero=zero, kv_cache_block_copies=copies)
+    assert side.build_connector_meta(out(zero=[7])).rewritten_blocks == frozenset()
+    copy = SimpleNamespace(src_block_id=3, dst_block_id=9)
+    meta = side.build_connector_meta(out(preempted=["r"], zero=[7, 8], copies=[copy]))
+    assert [c.req_id for c in meta.prefix_captures] == ["r"]
+    assert meta.rewritten_blocks == ({7, 8, 9} if runner_v2 else frozenset())
+
+
 def test_disabled_index_plans_nothing():
     idx = PrefixIndex(0, kv_config(), True)
     idx.on_step("a", 600)

@@ -87,7 +87,7 @@ def test_preempted_request_is_captured_only_in_handle_preemptions():
     prefill(w, "a", A)
     meta = DHiSparseMetadata(step=1, preempted={"a"},
                              prefix_captures=[PrefixCapture(3, "a", 32)])
-    w.capture_preempted(meta)  # the model runner calls it before zeroing reused blocks
+    w.capture_preempted(meta)  # no block of "a" rewritten before it
     w.begin_step(meta)
     w.end_step()
     assert w.take_prefix_reports() == (set(), {3})
@@ -99,6 +99,25 @@ def test_preempted_request_is_captured_only_in_handle_preemptions():
                                    prefix_captures=[PrefixCapture(4, "c", 32)]))
     w.end_step()
     assert w.take_prefix_reports() == ({4}, set())
+
+
+@pytest.mark.parametrize("rewritten, captured", [({5, 40}, False), ({40, 41}, True),
+                                                  ({6, 3, 13}, True)],
+                         ids=["a_block_it_reads", "others_only", "blocks_it_does_not_read"])
+def test_a_preempted_request_whose_blocks_were_rewritten_is_given_up(rewritten, captured):
+    """Model runner V2 calls handle_preemptions after zeroing the step's new blocks: a
+    preempted request one of whose freed blocks went to another request is not captured."""
+    w, _ = make_worker()
+    # a capture at 32 tokens reads blocks 4, 5 (group 1); 6 is past it, 3 holds c4a rows the
+    # hierarchy holds, 13 is a window block (snapshot after the forward that passed 32)
+    prefill(w, "a", A)
+    meta = DHiSparseMetadata(step=1, preempted={"a"}, rewritten_blocks=frozenset(rewritten),
+                             prefix_captures=[PrefixCapture(3, "a", 32)])
+    w.capture_preempted(meta)
+    w.begin_step(meta)
+    w.end_step()
+    assert w.take_prefix_reports() == ((set(), {3}) if captured else ({3}, set()))
+    assert w.summary()["host_prefix"]["capture_failed"] == (0 if captured else 1)
 
 
 def test_a_failed_load_is_reported_and_its_entry_lost():

@@ -74,6 +74,10 @@ class DHiSparseMetadata(KVConnectorMetadata):
     prefix_captures: list[PrefixCapture] = field(default_factory=list)
     prefix_loads: list[PrefixLoad] = field(default_factory=list)
     prefix_evictions: list[int] = field(default_factory=list)
+    # blocks vLLM writes this step before the forward (zeroed new blocks, copy-on-write
+    # targets); model runner V2 calls handle_preemptions only after those writes, so a
+    # preempted request holding one of them is not captured.  Set only with such captures.
+    rewritten_blocks: frozenset[int] = frozenset()
 
 
 @dataclass

@@ -31,8 +31,10 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
 
 class SchedulerSide:
     def __init__(self, max_model_len: int, handoff: HandoffScheduler | None = None,
-                 prefix: PrefixIndex | None = None):
+                 prefix: PrefixIndex | None = None, rewrites_before_preemptions: bool = False):
         self.max_model_len = max_model_len
+        # the model runner writes a step's new blocks before handle_preemptions
+        self.rewrites_before_preemptions = rewrites_before_preemptions
         # kv_both (one instance serving alone) without one: P/D parameters are ignored
         self.handoff = handoff or HandoffScheduler("kv_both", None, "", None)
         self.prefix = prefix or PrefixIndex(0, None, False)
@@ -135,6 +137,19 @@ class SchedulerSide:
                                 - rs.num_spec_tokens)
         meta.loads = self.handoff.take_loads()
         meta.prefix_captures, meta.prefix_loads, meta.prefix_evictions = self.prefix.take()
+        if self.rewrites_before_preemptions and any(c.req_id in meta.preempted
+                                                    for c in meta.prefix_captures):
+            meta.rewritten_blocks = rewritten_blocks(out)
         meta.finished = set(out.finished_req_ids) | self._finished
         self._finished = set()
         return meta
+
+
+def rewritten_blocks(out: "SchedulerOutput") -> frozenset[int]:
+    """Block ids the model runner writes this step before its forward: new blocks it zeroes
+    (mixed-precision caches such as DeepSeek-V4's) and copy-on-write targets of partial
+    prefix hits.  A preempted request's freed blocks are among them when vLLM hands them
+    to another request in the same step."""
+    zeroed = getattr(out, "new_block_ids_to_zero", None) or ()
+    copies = getattr(out, "kv_cache_block_copies", None) or ()
+    return frozenset(zeroed) | frozenset(c.dst_block_id for c in copies)

@@ -116,6 +116,18 @@ class PrefixStore:
         self.snapshots.pop(req_id, None)
 
     # -- the step's metadata, in order -------------------------------------------------
+    def blocks_read(self, num_tokens: int, block_ids: list[list[int]]) -> set[int]:
+        """vLLM block ids a capture at ``num_tokens`` reads in place (every cache but the
+        sliding windows, whose snapshot was taken after an earlier forward, and the c4a
+        rows, which the caller reads)."""
+        out = set()
+        for name in self.layout.caches:
+            if name not in self.sliding:
+                ids = block_ids[self.layout.group[name]]
+                out.update(ids[p] for p in window_positions(self.spec[name], num_tokens)
+                           if p < len(ids))
+        return out
+
     def capture(self, item: PrefixCapture, req, read_rows) -> None:
         """``read_rows(layer, n)``: the request's first n c4a rows.  Raises when the
         request's KV at ``item.num_tokens`` is not all there."""

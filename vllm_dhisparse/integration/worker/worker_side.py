@@ -227,14 +227,39 @@ class WorkerSide(WorkerReport):
     # -- host prefix entries (host_prefix/) ------------------------------------------------
     def capture_preempted(self, meta: DHiSparseMetadata) -> None:
         """``handle_preemptions``: vLLM freed a preempted request's blocks in this
-        schedule; the model runner may zero and reuse them after this call, so its
-        capture is done now."""
+        schedule and may hand them to another request.  Model runner V1 calls this before
+        it writes anything; V2 after it zeroed new blocks and applied copy-on-write
+        copies, so a request one of whose blocks was rewritten is given up, not
+        captured (its entry would hold those bytes)."""
         if self.host_prefix is None:
             return
         for item in meta.prefix_captures:
-            if item.req_id in meta.preempted:
+            if item.req_id not in meta.preempted:
+                continue
+            req = self.requests.get(item.req_id)
+            if req is not None and meta.rewritten_blocks and \
+                    not meta.rewritten_blocks.isdisjoint(self._blocks_read(req, item.num_tokens)):
+                self.host_prefix.counters.capture_failed += 1
+                self.prefix_lost.add(item.entry_id)
+                logger.debug("DHiSparse: host prefix entry of preempted request %s given up: "
+                             "vLLM rewrote one of its blocks before handle_preemptions",
+                             item.req_id)
+            else:
                 self._capture(item)
-                self.prefix_preempted_done.add(item.entry_id)
+            self.prefix_preempted_done.add(item.entry_id)
+
+    def _blocks_read(self, req: TrackedRequest, num_tokens: int) -> set[int]:
+        """vLLM block ids a capture of ``req`` at ``num_tokens`` reads: the store's, and
+        the c4a blocks of the rows the hierarchy does not hold (``_history_rows``)."""
+        out = self.host_prefix.blocks_read(num_tokens, req.block_ids)
+        for layer in self.layers.values():
+            n = num_tokens // layer.compress_ratio
+            have = min(n, req.rows.get(layer.name, 0)) if req.admitted else 0
+            if have < n:
+                ids = req.block_ids[layer.group]
+                rpb = layer.rows_per_block
+                out.update(ids[have // rpb:(n - 1) // rpb + 1])
+        return out
 
     def _capture(self, item) -> None:
         req = self.requests.get(item.req_id)
@@ -257,8 +282,8 @@ class WorkerSide(WorkerReport):
         for item in meta.prefix_captures:
             if item.entry_id in self.prefix_preempted_done:
                 self.prefix_preempted_done.discard(item.entry_id)
-            elif item.req_id in meta.preempted:  # no handle_preemptions (model runner V2):
-                hp.counters.capture_failed += 1  # its blocks may be zeroed already
+            elif item.req_id in meta.preempted:  # a runner that skipped handle_preemptions:
+                hp.counters.capture_failed += 1  # its blocks may be rewritten already
                 self.prefix_lost.add(item.entry_id)
             else:
                 self._capture(item)
