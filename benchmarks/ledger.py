@@ -244,7 +244,24 @@ def _gpu_serve_metrics(doc: dict) -> tuple[str, dict]:
         selected_rows_host=got["selected_rows_host_total"])
 
 
-EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,
+def _gpu_make_test(doc: dict) -> tuple[str, dict]:
+    """``scripts/gpu_test_record.py``: a whole ``make test-gpu`` run, its tests' outcomes
+    and the numbers they assert on."""
+    tests = doc["tests"]
+    graphs = [t["audit"] for t in tests if t.get("audit", {}).get("replayed_calls")]
+    hb = [t["host_prefix_bytes"] for t in tests if "host_prefix_bytes" in t]
+    out = dict(passed=doc["passed"], tests=len(tests),
+               seconds=round(sum(t["seconds"] for t in tests)))
+    if graphs:
+        out.update(graph_calls_equal=graphs[0]["equal"], graph_calls=graphs[0]["calls"],
+                   graph_calls_replayed=graphs[0]["replayed_calls"])
+    if hb:
+        out.update(host_prefix_c4a_rows=hb[0]["c4a"], host_prefix_full_blocks=hb[0]["full"],
+                   host_prefix_window_blocks=hb[0]["sliding"])
+    return "all", out
+
+
+EXTRACTORS = {"kv_layout": _kv_layout, "gpu_make_test": _gpu_make_test, "multi_turn": _multi_turn, "needle": _needle,
               "gpu_host_prefix": _gpu_host_prefix,
               "gpu_host_prefix_bytes": _gpu_host_prefix_bytes,
               "gpu_host_prefix_package": _gpu_package_scenarios,
