@@ -126,3 +126,28 @@ def test_a_failed_load_is_reported_and_its_entry_lost():
     w.end_step()
     assert w.transfer_results() == (set(), {"b"}, {"b"})
     assert w.take_prefix_reports() == ({9}, set())
+
+
+def test_the_worker_class_captures_a_preempted_request_before_the_model_runner(monkeypatch):
+    """DHiSparseWorker.execute_model runs handle_preemptions before the model runner (which
+    zeroes the step's new blocks first); the runner's own later call changes nothing."""
+    from vllm_dhisparse.integration.worker import worker as worker_mod
+    w, caches = make_worker()
+    prefill(w, "a", A)
+    want = caches["idx"][[4, 5]].clone()
+    meta = DHiSparseMetadata(step=1, preempted={"a"}, rewritten_blocks=frozenset({5}),
+                             prefix_captures=[PrefixCapture(3, "a", 32)])
+    connector = SimpleNamespace(dhisparse_worker=w)
+    monkeypatch.setattr(worker_mod, "get_kv_transfer_group", lambda: connector)
+
+    def runner(self, scheduler_output):  # model runner V2: zeroes block 5, then the hook
+        caches["idx"][5] = 0
+        w.capture_preempted(scheduler_output.kv_connector_metadata)
+        return "out"
+    monkeypatch.setattr(worker_mod._Base, "execute_model", runner)
+    cls = object.__new__(worker_mod.DHiSparseWorker)
+    assert cls.execute_model(SimpleNamespace(kv_connector_metadata=meta)) == "out"
+    w.begin_step(meta)
+    w.end_step()
+    assert w.take_prefix_reports() == (set(), {3})  # captured, before the zeroing
+    assert torch.equal(w.host_prefix.entries[3].blocks["idx"][1], want)

@@ -13,9 +13,14 @@ CPU, ``Worker`` on CUDA).  Without DHiSparseConnector configured it behaves as i
 * ``get_kv_cache_spec``: a DSpark / DFlash2 drafter's layers report the window-bounded
   draft ring (draft_ring.py).  The c4a layers' windowed spec comes from their routed
   attention class (model.py), which owns that cache.
+* ``execute_model``: a preempted request's host prefix capture runs before the model
+  runner sees the step.  Model runner V2 calls the connector's ``handle_preemptions``
+  only after it zeroed the step's new blocks, among which vLLM may have put the
+  preempted request's freed ones.
 """
 from __future__ import annotations
 
+from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
@@ -24,6 +29,7 @@ from vllm_dhisparse.compat.targets import expect
 from .. import draft_ring
 from . import pool_sizing
 from ..layers.model_probe import find_sparse_layers
+from ..metadata import DHiSparseMetadata
 from ..support import connector_config
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handler and level
@@ -45,6 +51,7 @@ def check(base: str = BASE) -> None:
     expect(f"{base}.determine_available_memory", (), exact=True)
     expect(f"{base}.get_kv_cache_spec", (), exact=True)
     expect(f"{base}.initialize_from_config", ("kv_cache_config",), exact=True)
+    expect(f"{base}.execute_model", ("scheduler_output",), exact=True)
 
 
 _Base = expect(BASE)
@@ -70,6 +77,14 @@ class DHiSparseWorker(_Base):
             plan = pool_sizing.engine_plan(self.vllm_config, cfg, layers)
             pool_sizing.check_budgeted(plan.device_bytes, self.budgeted_bytes)
         super().initialize_from_config(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        meta = getattr(scheduler_output, "kv_connector_metadata", None)
+        if isinstance(meta, DHiSparseMetadata) and meta.preempted and meta.prefix_captures:
+            side = getattr(get_kv_transfer_group(), "dhisparse_worker", None)
+            if side is not None:  # the runner's handle_preemptions later: a no-op for these
+                side.capture_preempted(meta, blocks_intact=True)
+        return super().execute_model(scheduler_output)
 
     def get_kv_cache_spec(self):
         specs = super().get_kv_cache_spec()

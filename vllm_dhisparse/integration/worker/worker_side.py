@@ -225,19 +225,20 @@ class WorkerSide(WorkerReport):
                               self.summary())
 
     # -- host prefix entries (host_prefix/) ------------------------------------------------
-    def capture_preempted(self, meta: DHiSparseMetadata) -> None:
+    def capture_preempted(self, meta: DHiSparseMetadata, blocks_intact: bool = False) -> None:
         """``handle_preemptions``: vLLM freed a preempted request's blocks in this
-        schedule and may hand them to another request.  Model runner V1 calls this before
-        it writes anything; V2 after it zeroed new blocks and applied copy-on-write
-        copies, so a request one of whose blocks was rewritten is given up, not
-        captured (its entry would hold those bytes)."""
+        schedule and may hand them to another request.  The worker class calls this
+        before the model runner sees the step, and the runner again: V1 before it writes
+        anything, V2 after it zeroed new blocks and applied copy-on-write copies.  A
+        capture not done yet whose blocks were rewritten is given up (its entry would
+        hold those bytes); ``blocks_intact``: the caller runs before any of those writes."""
         if self.host_prefix is None:
             return
         for item in meta.prefix_captures:
-            if item.req_id not in meta.preempted:
-                continue
+            if item.req_id not in meta.preempted or item.entry_id in self.prefix_preempted_done:
+                continue  # done by the worker class before the model runner's own call
             req = self.requests.get(item.req_id)
-            if req is not None and meta.rewritten_blocks and \
+            if req is not None and meta.rewritten_blocks and not blocks_intact and \
                     not meta.rewritten_blocks.isdisjoint(self._blocks_read(req, item.num_tokens)):
                 self.host_prefix.counters.capture_failed += 1
                 self.prefix_lost.add(item.entry_id)
