@@ -138,7 +138,9 @@ def scenario(llm, name: str, key: dict, scale: float) -> dict:
         return check(llm, scale, prompt)
     mixed = [prompt(int(n * scale), 50 + i) for i, n in enumerate((3000, 5000, 9000, 12000))]
     if name == "preempt":
-        return drive(llm, name, mixed, [40] * 4, preempt_at=(2, 12))
+        r = drive(llm, name, mixed, [40] * 4, preempt_at=(2, 12))
+        r["host_prefix"] = (worker_report() or {}).get("host_prefix")  # its capture
+        return r
     if name == "abort":
         return drive(llm, name, mixed, [40] * 4, abort_at=(1, 12))
     raise ValueError(name)
