@@ -218,9 +218,17 @@ def _gpu_package_scenarios(doc: dict) -> tuple[str, dict]:
         out[f"{s}_compared"] = c.get("compared", 0)
         out[f"{s}_tokens_equal"] = c.get("compared", 0) > 0 and not c.get("tokens_differ", [1])
         out[f"{s}_max_logprob_diff"] = round(c.get("max_logprob_diff", float("nan")), 4)
-    hp = doc["arms"]["connector"]["scenarios"].get("host_prefix", {}).get("host_prefix") or {}
+    scen = doc["arms"]["connector"]["scenarios"]
+    hp = scen.get("host_prefix", {}).get("host_prefix") or {}
     out["tokens_loaded"] = hp.get("tokens_loaded", 0)
-    return "host_prefix_package", out
+    pre = scen.get("preempt", {}).get("host_prefix")
+    if pre:  # counters after the preemption scenario (the engine's whole run)
+        out.update(captured_after_preempt=pre["captured"],
+                   capture_failed_after_preempt=pre["capture_failed"])
+    names = sorted(doc["comparisons"]["connector_vs_resident"])
+    config = "host_prefix_package" if names == ["abort", "host_prefix", "preempt"] else \
+        "host_prefix_package_" + "_".join(names)
+    return config, out
 
 
 def _gpu_serve_metrics(doc: dict) -> tuple[str, dict]:

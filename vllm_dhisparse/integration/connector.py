@@ -164,8 +164,9 @@ class DHiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return self.dhisparse_worker.transfer_results()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before the model runner zeroes or reuses the blocks vLLM freed this step: a
-        preempted request's host prefix capture."""
+        """A preempted request's host prefix capture, unless the worker class did it
+        before the model runner zeroed this step's new blocks (model runner V2 calls this
+        after that; V1 before)."""
         if self.dhisparse_worker is not None:
             self.dhisparse_worker.capture_preempted(kv_connector_metadata)
 

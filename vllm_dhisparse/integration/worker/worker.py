@@ -16,10 +16,12 @@ CPU, ``Worker`` on CUDA).  Without DHiSparseConnector configured it behaves as i
 * ``execute_model``: a preempted request's host prefix capture runs before the model
   runner sees the step.  Model runner V2 calls the connector's ``handle_preemptions``
   only after it zeroed the step's new blocks, among which vLLM may have put the
-  preempted request's freed ones.
+  preempted request's freed ones.  (vLLM's compiled-graph Ray executor calls the model
+  runner directly; there the worker half's guard on rewritten blocks alone applies.)
 """
 from __future__ import annotations
 
+import torch
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -83,7 +85,8 @@ class DHiSparseWorker(_Base):
         if isinstance(meta, DHiSparseMetadata) and meta.preempted and meta.prefix_captures:
             side = getattr(get_kv_transfer_group(), "dhisparse_worker", None)
             if side is not None:  # the runner's handle_preemptions later: a no-op for these
-                side.capture_preempted(meta, blocks_intact=True)
+                with torch.inference_mode():  # as the base's execute_model runs
+                    side.capture_preempted(meta, blocks_intact=True)
         return super().execute_model(scheduler_output)
 
     def get_kv_cache_spec(self):
