@@ -16,6 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
     ("bench_gather.py", ["--name", "{tmp}/g"], "CORRECTNESS: every gather matched"),
     ("bench_sglang.py", ["--name", "{tmp}/s"], ""),
     ("profile_resolve.py", [], "check exact match"),
+    ("bench_resolve.py", ["--name", "{tmp}/r"], "CORRECTNESS: all configurations match"),
 ])
 def test_smoke_mode_runs_and_checks(tmp_path, script, args, says):
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
