@@ -269,7 +269,8 @@ def _gpu_make_test(doc: dict) -> tuple[str, dict]:
     return "all", out
 
 
-EXTRACTORS = {"kv_layout": _kv_layout, "gpu_make_test": _gpu_make_test, "multi_turn": _multi_turn, "needle": _needle,
+EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,
+              "gpu_make_test": _gpu_make_test,
               "gpu_host_prefix": _gpu_host_prefix,
               "gpu_host_prefix_bytes": _gpu_host_prefix_bytes,
               "gpu_host_prefix_package": _gpu_package_scenarios,

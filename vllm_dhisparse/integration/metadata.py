@@ -76,7 +76,8 @@ class DHiSparseMetadata(KVConnectorMetadata):
     prefix_evictions: list[int] = field(default_factory=list)
     # blocks vLLM writes this step before the forward (zeroed new blocks, copy-on-write
     # targets); model runner V2 calls handle_preemptions only after those writes, so a
-    # preempted request holding one of them is not captured.  Set only with such captures.
+    # preempted capture still pending then is given up if it would read one of them.
+    # Set only with such captures, under model runner V2.
     rewritten_blocks: frozenset[int] = frozenset()
 
 

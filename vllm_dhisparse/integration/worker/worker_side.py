@@ -255,7 +255,7 @@ class WorkerSide(WorkerReport):
         out = self.host_prefix.blocks_read(num_tokens, req.block_ids)
         for layer in self.layers.values():
             n = num_tokens // layer.compress_ratio
-            have = min(n, req.rows.get(layer.name, 0)) if req.admitted else 0
+            have = self._rows_held(req, layer, n)
             if have < n:
                 ids = req.block_ids[layer.group]
                 rpb = layer.rows_per_block
@@ -302,11 +302,16 @@ class WorkerSide(WorkerReport):
         for entry_id in meta.prefix_evictions:
             hp.evict(entry_id)
 
+    @staticmethod
+    def _rows_held(req: TrackedRequest, layer: SparseLayer, n: int) -> int:
+        """How many of the request's first ``n`` c4a rows the hierarchy holds."""
+        return min(n, req.rows.get(layer.name, 0)) if req.admitted else 0
+
     def _history_rows(self, req: TrackedRequest, layer: SparseLayer, n: int) -> torch.Tensor:
         """The request's first ``n`` c4a rows: those the hierarchy holds (committed at the
         last step's start), the rest from vLLM's blocks (inside the device window; in
         prefill nothing is freed).  # [n, row_bytes]"""
-        have = min(n, req.rows.get(layer.name, 0)) if req.admitted else 0
+        have = self._rows_held(req, layer, n)
         parts = [self.hierarchy.read_history(req.req_id, layer.name, have)] if have else []
         if n > have:
             parts.append(self.vllm_cache.rows(layer, req.block_ids[layer.group],
