@@ -15,6 +15,10 @@ on) and the same KV budget (``--kv-bytes``), 16,384 positions, 16 sequences, see
 * ``serve-resident`` / ``serve-connector``: ``vllm serve`` asked through the OpenAI client;
 * ``resident2`` (with ``--arms``): resident again in another process.
 
+``--spec ngram|dspark|dflash2`` runs the LLM arms with speculative decoding (K =
+``--spec-tokens``; scripts/gpu_spec.py builds the drafter and says which keys CUDA needs):
+each verification step then routes 1 + K queries per request, and ``--audit`` checks them.
+
 vLLM's GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (the
 comparisons say where outputs first differ).  ``--audit`` (with a ``device_window_tokens`` of 0
 in ``--extra``) checks instead, inside the connector's engine, every routed decode call --
@@ -58,6 +62,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import gpu_engine  # noqa: E402  (its device metadata and pass-key prompt)
+import gpu_spec  # noqa: E402  (--spec: speculative_config and the demo drafters)
 
 EXTRA = {"hot_cache_rows": 512, "optional_residency": False}
 BATCH_LENS = [2048 + 800 * i for i in range(16)]  # 2,048 .. 14,048 tokens
@@ -290,7 +295,8 @@ def llm_child(args) -> None:
         chunked_prefill=vc.scheduler_config.enable_chunked_prefill,
         max_num_batched_tokens=vc.scheduler_config.max_num_batched_tokens,
         scheduler=str(vc.scheduler_config.scheduler_cls),
-        v2_model_runner=getattr(vc, "use_v2_model_runner", None)))
+        v2_model_runner=getattr(vc, "use_v2_model_runner", None),
+        speculative=str(vc.speculative_config) if vc.speculative_config else None))
     print("ARM_READY", flush=True)
     if audit is not None:
         res["audit_at_start"] = audit()  # warm-up's dummy batches
@@ -320,6 +326,8 @@ def llm_child(args) -> None:
         print(f"SCENARIO {name} {json.dumps({k: v for k, v in r.items() if k != 'outputs'})}",
               flush=True)
     res["worker_totals"] = worker_summary()
+    if args.spec_config:
+        res["spec_counters"] = gpu_spec.acceptance(llm)
     if audit is not None:
         res["audit"] = audit()
         start = res["audit_at_start"]
@@ -331,8 +339,11 @@ def llm_child(args) -> None:
 def engine_kwargs(args) -> dict:
     # gpu_memory_utilization: the share vLLM checks is free at start (the KV budget is
     # kv_cache_memory_bytes); small so that the arms share the GPU
-    return dict(max_model_len=16384, max_num_seqs=16, seed=0, gpu_memory_utilization=0.15,
-                kv_cache_memory_bytes=args.kv_bytes, enforce_eager=args.eager)
+    kw = dict(max_model_len=16384, max_num_seqs=16, seed=0, gpu_memory_utilization=0.15,
+              kv_cache_memory_bytes=args.kv_bytes, enforce_eager=args.eager)
+    if args.spec_config:  # the acceptance counters are vLLM's stats
+        kw.update(speculative_config=json.loads(args.spec_config), disable_log_stats=False)
+    return kw
 
 
 # ------------------------------------------------------------------ the serve arms
@@ -438,7 +449,8 @@ def start_llm_arm(args, connector: bool, log_path: str) -> subprocess.Popen:
            "--scenarios", args.scenarios, "--scale", str(args.scale)] + (
                ["--eager"] if args.eager else []) + (
                ["--audit"] if args.audit and connector else []) + (
-               ["--unaudited"] if args.unaudited else [])
+               ["--unaudited"] if args.unaudited else []) + (
+               ["--spec-config", args.spec_config] if args.spec_config else [])
     if connector:
         cmd += ["--connector", args.extra]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
@@ -535,9 +547,17 @@ def main(argv=None) -> int:
                          "device_window_tokens of 0)")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="prompt lengths times this (a dry run on CPU: 0.25)")
+    ap.add_argument("--spec", choices=gpu_spec.METHODS, default=None,
+                    help="speculative decoding in the LLM arms (scripts/gpu_spec.py; the "
+                         "connector needs --unaudited until its audit has covered it)")
+    ap.add_argument("--spec-tokens", type=int, default=3, help="K: draft tokens per step")
+    ap.add_argument("--spec-ref", default=None,
+                    help="a gpu_connector.json of the same prompts whose outputs the DSpark "
+                         "drafter replays (default: the prompts)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds for the whole run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--connector", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec-config", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         llm_child(args)
@@ -552,6 +572,19 @@ def main(argv=None) -> int:
         with open(args.prompt_json, "w") as f:
             json.dump(key, f)
     arms = args.arms.split(",")
+    if args.spec:
+        if any(a.startswith("serve-") for a in arms):
+            ap.error("--spec runs the LLM arms only: pass --arms from resident, resident2, "
+                     "connector")
+        if args.spec_ref:
+            seqs = gpu_spec.reference_outputs(args.spec_ref)
+        else:
+            with open(args.prompt_json) as f:
+                seqs = [json.load(f)["ids"]]
+            seqs += [prompt(int(n * args.scale), i) for i, n in enumerate(BATCH_LENS)]
+        drafter = gpu_spec.build_drafter(args.spec, args.model, args.out, args.spec_tokens, seqs)
+        args.spec_config = json.dumps(gpu_spec.speculative_config(
+            args.spec, args.spec_tokens, drafter, cuda()))
     logs = {a: os.path.join(args.out, f"{a}.log") for a in arms}
     results, procs = {}, {}
     if "resident" in arms:  # first: its start compiles the JIT kernels the others reuse
@@ -597,6 +630,7 @@ def main(argv=None) -> int:
                batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"),
                kv_cache_memory_bytes=args.kv_bytes, extra_config=json.loads(args.extra),
                connector_class="MeasuredConnector" if args.unaudited else "DHiSparseConnector",
+               speculative_config=json.loads(args.spec_config) if args.spec_config else None,
                scenarios=args.scenarios.split(","), batch_prompt_tokens=BATCH_LENS,
                arms=results, comparisons=cmp)
     with open(os.path.join(args.out, "gpu_connector.json"), "w") as f:

@@ -2,9 +2,9 @@
 
 DHiSparseConnector serves CUDA on SM90 eagerly and with vLLM's decode graphs, and refuses
 what the in-engine audit has not covered (FULL graphs of mixed batches, a compiled model,
-SM100; the package's ``integration/support.py`` says why).  ``unaudited=True`` runs this
-subclass, outside the package and its config, which lets those through so that the
-scripts can measure and audit them; every other refusal (speculative decoding, P/D roles,
+speculative decoding, SM100; the package's ``integration/support.py`` says why).
+``unaudited=True`` runs this subclass, outside the package and its config, which lets those
+through so that the scripts can measure and audit them; every other refusal (P/D roles,
 several GPUs, other GPUs) still applies.  Engines name it with
 ``kv_connector_module_path="gpu_measure"`` (scripts/ on PYTHONPATH).
 """

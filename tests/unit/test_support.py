@@ -66,6 +66,8 @@ SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
     (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset with compilation mode "
                                                r"unset"),
     (SM100, config(), r"compute capability 10\.0 \(SM100\) has not run the connector yet"),
+    (H200, config(spec=SimpleNamespace(method="dspark")),
+     r"speculative decoding \(dspark\).*Drop --speculative-config"),
 ])
 def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subclass(
         platform, cfg, needle):
@@ -87,8 +89,6 @@ def test_the_graphs_refusal_names_the_way_out():
     (Platform(False, "cuda", SimpleNamespace(major=8, minor=0)), config(),
      r"CUDA compute capability 8\.0 is not supported.*SM90"),
     (Platform(False, "cuda"), config(), r"CUDA compute capability unknown"),
-    (H200, config(spec=SimpleNamespace(method="dspark")),
-     r"speculative decoding \(dspark\).*Drop --speculative-config"),
     (H200, config(role="kv_producer"), r"kv_role 'kv_producer'.*kv_role 'kv_both'"),
     (H200, config(world_size=2), r"2 GPUs per engine.*one engine per GPU"),
 ])

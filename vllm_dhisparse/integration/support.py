@@ -18,9 +18,9 @@ the reason and the way out, instead of producing wrong tokens without an error:
   for byte, the blocks vLLM computed for those tokens (scripts/gpu_host_prefix_bytes.py,
   make test-gpu).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
-  package and its config) lets the refused graph modes and SM100 through.  What has not run on CUDA at all is refused
-  for it too: speculative decoding, the P/D roles, more than one GPU per engine, other
-  GPUs; any other platform.
+  package and its config) lets the refused graph modes, speculative decoding and SM100
+  through, so that the audit can run them.  What has not run on CUDA at all is refused for
+  it too: the P/D roles, more than one GPU per engine, other GPUs; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
@@ -112,11 +112,6 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
         return (f"CUDA compute capability {got} is not supported: the routed decode is "
                 f"vLLM's FlashMLA V4 sparse decode, built for SM90 (H100 / H200) and SM100 "
                 f"(B200). Serve without the connector on this GPU.")
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None:
-        return (f"speculative decoding ({getattr(spec, 'method', spec)}) with the connector "
-                f"has not run exact against resident serving inside a CUDA engine yet. Drop "
-                f"--speculative-config, or serve DSpark / DFlash2 on vLLM's CPU platform.")
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     role = getattr(ktc, "kv_role", "kv_both")
     if role != "kv_both":
@@ -129,6 +124,11 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
                 f"serves one GPU per engine. Run one engine per GPU (data parallel replicas).")
     if unaudited:
         return None
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        return (f"speculative decoding ({getattr(spec, 'method', spec)}) with the connector "
+                f"has not run exact against resident serving inside a CUDA engine yet. Drop "
+                f"--speculative-config, or serve DSpark / DFlash2 on vLLM's CPU platform.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
