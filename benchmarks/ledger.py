@@ -292,7 +292,7 @@ def record_from(benchmark: str, files: list[str]) -> dict:
     named = re.search(r"_\d{4}-\d{2}-\d{2}_([0-9a-f]{7,40})(?:_|\.|$)", files[0])
     stale = None
     if named and not commit.startswith(named.group(1)):
-        # the file names the run's commit where its meta was stale (NOTES.md says why)
+        # the file names the run's commit where its meta was stale (METHODS.md, commits and files)
         stale, commit = commit, named.group(1)
     machine = _machine(meta) if meta else doc.get("device", "?")
     rec = dict(benchmark=benchmark, config=config, commit=commit, date=date,

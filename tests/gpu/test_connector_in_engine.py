@@ -6,9 +6,9 @@ decode call (eager or replayed) against upstream's decode on vLLM's blocks; the 
 serve requests must all be bitwise (vLLM's warm-up batches, before any request, are counted
 apart: the routed decode serves no request there and reads no row); and a connector engine
 with host prefix hits, whose loaded KV must equal vLLM's own blocks byte for byte.  vLLM's
-GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (benchmarks/NOTES.md,
-2026-12-05), so the connector's tokens must equal resident's only where resident's equal
-resident's; the audit must be bitwise in every call.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33; skipped elsewhere.
+GPU engine is not bitwise between two runs of one batch on DeepSeek-V4 (benchmarks/METHODS.md,
+"vLLM is not bitwise against itself"), so the connector's tokens must equal resident's only
+where resident's equal resident's; the audit must be bitwise in every call.  Needs a CUDA GPU (SM90 / SM100) and vLLM 0.33; skipped elsewhere.
 """
 import json
 import os

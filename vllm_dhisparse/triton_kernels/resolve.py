@@ -68,10 +68,10 @@ _MAX_WIDTH = 2**28  # claim codes CLAIM + j and rank codes -2 - r must not meet
 _BLOCK_W = 2048  # selections per chunk in phases 1, 2, 4
 _BLOCK_B = 4096  # hot slots per chunk in phase 3 when B does not fit one block (one wave):
 # phase 3 walks B up to four times, one dependent load per chunk; at B = 8192 / 16384
-# 4096-hot-slot chunks took 45.7 / 68.1 us where 1024 took 64.5 / 105.6 (NOTES.md)
+# 4096-hot-slot chunks took 45.7 / 68.1 us where 1024 took 64.5 / 105.6 (benchmarks/METHODS.md)
 _ONE_BLOCK_B = 4096  # largest B walked as one block in phase 3
 _NUM_WARPS = 16  # at least; more for a wide miss sort (_num_warps).  16 beat 8 in 7 of
-# the 9 SGLang cells (benchmarks/NOTES.md, v3): more loads in flight per request
+# the 9 SGLang cells (benchmarks/METHODS.md): more loads in flight per request
 # more programs than SMs (a second wave otherwise): chunks small enough for two CTAs
 # per SM (64 registers at 16 warps)
 _MANY_BLOCK_W = 1024
@@ -81,17 +81,17 @@ _FUSE_MAX_WIDTH = 2048  # copy inside the resolve kernel when K*k <= this (fused
 _COPY_ELEMS = 4096  # words in flight per step of the fused copy (one-block path)
 _COPY_ELEMS_CHUNKED = 4096  # the same where phase 3 walks B in chunks: a wider step raised
 # the many-programs kernel's registers, a cost paid by calls that copy nothing (16384 words:
-# batch 160 / 0 % 36.6 -> 52.5 us, NOTES.md)
+# batch 160 / 0 % 36.6 -> 52.5 us, benchmarks/METHODS.md)
 _EARLY_ELEMS = 2048  # words of the fused copy read from host before the victim select
 # (one-block path): their PCIe round trip runs under the select instead of after it
 _EARLY_ELEMS_CHUNKED = 0  # the same where phase 3 walks B in chunks (more programs than
 # SMs, or B above one block); 2048 left the 128K-context step at 512 sessions unchanged
 # alone (2.07 ms), and with the 64-register cap it took 2.12 ms where neither took 1.95
-# (likely spills under the cap; NOTES.md, 2026-12-04)
+# (likely spills under the cap; benchmarks/METHODS.md)
 _SORT_MID = 1024  # extra sort size between 256 and 2048 (0: none)
 _MANY_MAXNREG = 64  # register cap of the many-programs path when B is walked in chunks
 # (0: the compiler's choice): at 16 warps two CTAs per SM instead of one; the 128K-context
-# step at 512 sessions 2.07 -> 1.94 ms in one call (NOTES.md, 2026-12-04).  Not where B
+# step at 512 sessions 2.07 -> 1.94 ms in one call (benchmarks/METHODS.md).  Not where B
 # fits one block: that path holds the early words, which spill under the cap
 
 
