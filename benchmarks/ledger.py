@@ -81,7 +81,7 @@ def _gpu_audit(doc: dict) -> tuple[str, dict]:
         warm = audit["calls"] - sum(s.get("routed_decode_python_eager", 0)
                                     for s in arm["scenarios"].values())
         start = dict(calls=warm, equal=warm, tokens=0, replayed_calls=0)  # tokens unknown
-    return arm["engine"]["cudagraph_mode"].lower(), dict(
+    metrics = dict(
         calls=audit["calls"] - start["calls"], equal=audit["equal"] - start["equal"],
         replayed_calls=audit.get("replayed_calls", 0) - start["replayed_calls"],
         warmup_calls=start["calls"], warmup_equal=start["equal"],
@@ -89,6 +89,14 @@ def _gpu_audit(doc: dict) -> tuple[str, dict]:
         host_share_pct=round(100 * t["host"] / selected, 1),
         model=Path(doc["model"]).name, hot_cache_rows=extra.get("hot_cache_rows"),
         device_window_tokens=extra.get("device_window_tokens"))
+    config = arm["engine"]["cudagraph_mode"].lower()
+    spec = doc.get("speculative_config")
+    if spec:  # gpu_connector.py --spec: K draft tokens verified per request and step
+        config += f"_{doc['spec']}_k{spec['num_speculative_tokens']}"
+        counters = arm.get("spec_counters") or {}
+        metrics.update({f"spec_{k}": counters.get(k) for k in
+                        ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
+    return config, metrics
 
 
 def _hierarchy_step(doc: dict) -> tuple[str, dict]:

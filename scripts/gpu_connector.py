@@ -630,6 +630,7 @@ def main(argv=None) -> int:
                batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"),
                kv_cache_memory_bytes=args.kv_bytes, extra_config=json.loads(args.extra),
                connector_class="MeasuredConnector" if args.unaudited else "DHiSparseConnector",
+               spec=args.spec,
                speculative_config=json.loads(args.spec_config) if args.spec_config else None,
                scenarios=args.scenarios.split(","), batch_prompt_tokens=BATCH_LENS,
                arms=results, comparisons=cmp)
