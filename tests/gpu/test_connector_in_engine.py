@@ -80,3 +80,22 @@ def test_a_host_prefix_hit_loads_the_bytes_vllm_computed(tmp_path):
     assert got["loaded_equal_computed"], got
     assert got["compared"]["c4a"]["units"] > 0 and got["compared"]["sliding"]["units"] > 0, got
     assert scen["host_prefix"]["host_prefix"]["tokens_loaded"] > 0, scen["host_prefix"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_speculative_verification_calls_equal_upstreams_in_the_engine(tmp_path, method):
+    """Speculative decoding with vLLM's GPU defaults (Model Runner V2's speculators; DSpark
+    with the demo's drafter, scripts/gpu_spec.py): every verification step routes 1 + K
+    queries per request, and every routed decode call, eager or replayed from a FULL graph,
+    equals upstream's decode on vLLM's blocks bit for bit.  The package refuses speculative
+    decoding on CUDA until this has passed on a GPU, so the engine runs the measuring
+    subclass (scripts/gpu_measure.py)."""
+    extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0}
+    doc = run(tmp_path, "--arms", "connector", "--audit", "--unaudited", "--spec", method,
+              "--scenarios", "batch,preempt,abort", "--extra", json.dumps(extra))
+    arm = doc["arms"]["connector"]
+    assert "error" not in arm, arm
+    audit, spec = arm["audit_serving"], arm["spec_counters"]
+    assert audit["calls"] > 0 and audit["equal"] == audit["calls"], audit
+    assert audit["replayed_calls"] > 0, audit
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 3 * spec["num_drafts"], spec
