@@ -92,7 +92,10 @@ def _gpu_audit(doc: dict) -> tuple[str, dict]:
     config = arm["engine"]["cudagraph_mode"].lower()
     spec = doc.get("speculative_config")
     if spec:  # gpu_connector.py --spec: K draft tokens verified per request and step
-        config += f"_{doc['spec']}_k{spec['num_speculative_tokens']}"
+        # a DSpark drafter replaying an earlier run's outputs accepts more than one built
+        # from the prompts: another configuration
+        config += f"_{doc['spec']}_k{spec['num_speculative_tokens']}" + (
+            "_replayed" if doc.get("spec_ref") else "")
         counters = arm.get("spec_counters") or {}
         metrics.update({f"spec_{k}": counters.get(k) for k in
                         ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})

@@ -532,9 +532,10 @@ def main(argv=None) -> int:
                     help="make demo's pass-key prompt as token ids (gpu_engine.py --write-prompt)")
     ap.add_argument("--kv-bytes", type=int, default=4 << 30, help="kv_cache_memory_bytes, both arms")
     ap.add_argument("--extra", default=json.dumps(EXTRA), help="the connector's extra config")
-    ap.add_argument("--arms", default="resident,connector,serve-resident,serve-connector",
+    ap.add_argument("--arms", default=None,
                     help="of resident, resident2 (resident again in another process), "
-                         "connector, serve-resident, serve-connector")
+                         "connector, serve-resident, serve-connector (default: all but "
+                         "resident2; with --spec: resident,connector)")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--eager", action="store_true", help="enforce_eager in every arm")
     ap.add_argument("--unaudited", action="store_true",
@@ -562,6 +563,14 @@ def main(argv=None) -> int:
     if args.child:
         llm_child(args)
         return 0
+    if args.arms is None:
+        args.arms = "resident,connector" + ("" if args.spec else ",serve-resident,serve-connector")
+    if args.spec and any(a.startswith("serve-") for a in args.arms.split(",")):
+        ap.error("--spec runs the LLM arms only: pass --arms from resident, resident2, connector")
+    if args.spec_ref and args.spec != "dspark":
+        ap.error("--spec-ref feeds the DSpark drafter only: pass it with --spec dspark")
+    if args.spec_tokens != 3 and not args.spec:
+        ap.error("--spec-tokens needs --spec")
     t_end = time.time() + args.timeout
     os.makedirs(args.out, exist_ok=True)
     if args.prompt_json is None:  # built with this Python's docstrings (gpu_engine.py says why)
@@ -573,9 +582,6 @@ def main(argv=None) -> int:
             json.dump(key, f)
     arms = args.arms.split(",")
     if args.spec:
-        if any(a.startswith("serve-") for a in arms):
-            ap.error("--spec runs the LLM arms only: pass --arms from resident, resident2, "
-                     "connector")
         if args.spec_ref:
             seqs = gpu_spec.reference_outputs(args.spec_ref)
         else:
@@ -630,7 +636,7 @@ def main(argv=None) -> int:
                batch_invariant=os.environ.get("VLLM_BATCH_INVARIANT"),
                kv_cache_memory_bytes=args.kv_bytes, extra_config=json.loads(args.extra),
                connector_class="MeasuredConnector" if args.unaudited else "DHiSparseConnector",
-               spec=args.spec,
+               spec=args.spec, spec_ref=args.spec_ref, scale=args.scale,
                speculative_config=json.loads(args.spec_config) if args.spec_config else None,
                scenarios=args.scenarios.split(","), batch_prompt_tokens=BATCH_LENS,
                arms=results, comparisons=cmp)
