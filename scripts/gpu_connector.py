@@ -327,7 +327,8 @@ def llm_child(args) -> None:
               flush=True)
     res["worker_totals"] = worker_summary()
     if args.spec_config:
-        res["spec_counters"] = gpu_spec.acceptance(llm)
+        from harness.offline_run import spec_metrics
+        res["spec_counters"] = spec_metrics(llm)
     if audit is not None:
         res["audit"] = audit()
         start = res["audit_at_start"]

@@ -61,9 +61,3 @@ def speculative_config(method: str, k: int, drafter: str | None, cuda: bool) -> 
     from vllm_dhisparse.spec import SpecPreset
     cfg = SpecPreset(method, drafter, k).speculative_config()
     return {**cfg, **CUDA_DRAFTER_KEYS} if cuda else cfg
-
-
-def acceptance(llm) -> dict:
-    """vLLM's speculative-decoding counters so far (drafts, draft tokens, accepted)."""
-    from harness.offline_run import spec_metrics
-    return spec_metrics(llm)
