@@ -215,10 +215,12 @@ def time_gpu(fn, setup=None, reps: int = 20, warmup: int = 3, spacer_us: float =
     ``setup`` (state restore) and the L2 flush run before the start event.
     With ``graph=True`` we try to capture ``fn`` in a CUDA graph and time its
     replays; on failure we fall back to eager (``Timing.mode`` says which).
-    On CPU (interpreter smoke runs) we use perf_counter.
+    On CPU (interpreter smoke runs) we use perf_counter and no warm-up: the interpreter
+    compiles nothing, and CPU times there only show that the call runs.
     """
     if not torch.cuda.is_available():
         out = Timing(mode="cpu-wall")
+        warmup = 0
         for i in range(warmup + reps):
             if setup:
                 setup()

@@ -17,6 +17,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
     ("bench_sglang.py", ["--name", "{tmp}/s"], ""),
     ("profile_resolve.py", [], "check exact match"),
     ("bench_resolve.py", ["--name", "{tmp}/r"], "CORRECTNESS: all configurations match"),
+    # every resolve variant on the smaller SGLang cell and the no-miss cells
+    ("tune_resolve.py", ["--batches", "2", "--out", "{tmp}"], "FAILURES: none"),
 ])
 def test_smoke_mode_runs_and_checks(tmp_path, script, args, says):
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
