@@ -1,6 +1,7 @@
 """Per-session required device memory from our sizing code, next to paper Table 1.
 
-    python benchmarks/memory_accounting.py      # prints the table, writes results/memory_accounting.json
+    python benchmarks/memory_accounting.py [--out FILE]   # prints the table, writes
+                                                          # results/memory_accounting.json
 
 Shapes and where each number comes from:
 
@@ -101,8 +102,16 @@ def gib(b: int) -> float:
     return b / GIB
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
     import common as C
+    ap = argparse.ArgumentParser(description="Per-session device memory from the package's "
+                                             "sizing code, next to the paper's Table 1.")
+    ap.add_argument("--out", help="write the JSON here (default: "
+                                  "benchmarks/results/memory_accounting.json)")
+    args = ap.parse_args(argv)
     out = {"meta": {"date_utc": C.utc_now()}, "paper_table1_gib": PAPER_TABLE1, "shapes": {}}
     for shape in (glm53(576), glm53(656)):
         print(f"\n## {shape.name}: GiB per session (ours / paper Table 1)")
@@ -144,7 +153,12 @@ def main() -> int:
           f"{gib(b['index_state']):.4f} GiB; always-resident window + c128 {gib(b['always_resident_payload']):.4f} GiB")
     out["shapes"][ds.name] = {K500: {"table_gib": {k: gib(v) for k, v in t.items()},
                                      "breakdown_bytes": b}}
-    C.write_json("memory_accounting", out)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=float)
+        print(f"wrote {args.out}")
+    else:
+        C.write_json("memory_accounting", out)
     return 0
 
 

@@ -4,7 +4,7 @@ reference, then timed (CUDA-graph replays), in one process.
 
     python3 benchmarks/tune_chunks.py OUT.json                                  # H200
     python3 benchmarks/tune_chunks.py OUT.json --variants '[{"_BLOCK_B": 4096}]' --budgets 8192
-    TRITON_INTERPRET=1 python benchmarks/tune_chunks.py /tmp/t.json             # CPU, tiny
+    TRITON_INTERPRET=1 python benchmarks/tune_chunks.py /tmp/t.json --smoke     # CPU, tiny
 
 A variant that names ``_BLOCK_B`` runs only at the first batch (one wave), one that
 names ``_MANY_BLOCK_B`` only at the second (more programs than SMs).
@@ -30,12 +30,15 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default='[{}, {"_BLOCK_B": 2048}, {"_MANY_BLOCK_B": 1024}]',
                     help="JSON list of {constant: value} overrides ({} = the module's values)")
     ap.add_argument("--budgets", type=int, nargs="+", help="hot slots B (default 4096 8192 16384)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes (bench_resolve's smoke cells), also what a CPU runs")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
-    cfg = BR.REAL if cuda else BR.SMOKE
+    real = cuda and not args.smoke
+    cfg = BR.REAL if real else BR.SMOKE
     dev = torch.device("cuda" if cuda else "cpu")
-    batches = (8, 160) if cuda else (2, 3)
-    budgets = args.budgets or ((4096, 8192, 16384) if cuda else (32, 64))
+    batches = (8, 160) if real else (2, 3)
+    budgets = args.budgets or ((4096, 8192, 16384) if real else (32, 64))
     variants = json.loads(args.variants)
     rf, gf = C.load_impl("triton")
     out, failed = [], False
@@ -66,6 +69,8 @@ def main(argv=None) -> int:
                 print(row, flush=True)
             del st
     Path(args.out).write_text(json.dumps(dict(meta=C.metadata(), points=out), indent=1))
+    print("CORRECTNESS: " + ("a variant differs from the reference" if failed
+                             else "every variant matches the reference"))
     return 1 if failed else 0
 
 

@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
     ("bench_resolve.py", ["--name", "{tmp}/r"], "CORRECTNESS: all configurations match"),
     # every resolve variant on the smaller SGLang cell and the no-miss cells
     ("tune_resolve.py", ["--batches", "2", "--out", "{tmp}"], "FAILURES: none"),
+    ("tune_chunks.py", ["{tmp}/c.json"], "CORRECTNESS: every variant matches"),
 ])
 def test_smoke_mode_runs_and_checks(tmp_path, script, args, says):
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -30,3 +31,30 @@ def test_smoke_mode_runs_and_checks(tmp_path, script, args, says):
     if script == "bench_sglang.py":  # its JSON lists what did not match the reference
         doc = json.loads((tmp_path / "s.json").read_text())
         assert doc["correctness_failures"] == [] and doc["points"], doc["correctness_failures"]
+
+
+def _numbers(doc, path=""):
+    """Every number of a JSON document by its path."""
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _numbers(v, f"{path}/{k}")
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _numbers(v, f"{path}/{i}")
+    elif isinstance(doc, (int, float)) and not isinstance(doc, bool):
+        yield path, doc
+
+
+def test_memory_accounting_equals_its_committed_result(tmp_path):
+    """The per-session memory the README and docs quote is computed, not measured, so the
+    committed result must still be what the sizing code gives, within 0.1 % a number."""
+    out = tmp_path / "m.json"
+    got = subprocess.run([sys.executable, str(BENCH / "memory_accounting.py"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr[-3000:]
+    new = dict(_numbers({k: v for k, v in json.loads(out.read_text()).items() if k != "meta"}))
+    committed = json.loads((BENCH / "results" / "memory_accounting.json").read_text())
+    old = dict(_numbers({k: v for k, v in committed.items() if k != "meta"}))
+    assert new.keys() == old.keys(), sorted(new.keys() ^ old.keys())
+    off = {p: (old[p], new[p]) for p in new if abs(new[p] - old[p]) > 1e-3 * max(abs(old[p]), 1)}
+    assert not off, off
