@@ -55,6 +55,22 @@ def test_newest_and_next_block_name_the_slot_and_the_layer_is_bound():
     assert b.modules["l0"].routed is None
 
 
+def test_unverified_drafts_map_the_blocks_back_to_the_verified_newest_token():
+    """The host counts the previous step's three drafts (an asynchronous scheduler): if
+    vLLM rejected them, the device's newest token lies up to three tokens back, in the
+    block before."""
+    h, b = binding()
+    try:
+        a = TrackedRequest("a", 250, 10, [[5, 9, 2]], num_unverified_tokens=3)
+        b.write_tables([(a, 258)])  # newest token 257 in block 9; verified newest 254 in 5
+        sa = h.req_slot_of("l0", "a")
+        want = torch.full((12,), -1, dtype=torch.int32)
+        want[[5, 9, 2]] = sa
+        assert torch.equal(b.routed["l0"].slot_by_block, want)
+    finally:
+        b.close()
+
+
 def test_counters_are_read_and_reset():
     h, b = binding()
     try:

@@ -64,3 +64,14 @@ def test_one_plan_per_process_whoever_asks():
     assert plan_pools(cfg, [layer], 7100, 6, 1) is budget
     assert budget.device_bytes == device_pool_bytes(list(budget.sources), budget.staging)
     assert plan_pools(cfg, [layer], 7100, 7, 1) is not budget  # other limits: another plan
+
+
+def test_fresh_rows_cover_this_steps_queries_and_the_previous_steps_unverified_drafts():
+    from vllm_dhisparse.integration.worker.pool_sizing import fresh_rows
+    for q in range(1, 17):
+        for ratio in (4, 128):
+            # committed tokens V at any offset in a row; the step reads rows completed by
+            # up to V + 2q - 1 tokens (q queries past K = q - 1 unverified drafts)
+            worst = max((v + 2 * q - 1) // ratio - v // ratio for v in range(ratio))
+            assert fresh_rows(q, ratio) >= worst, (q, ratio)
+            assert fresh_rows(q, ratio) >= -(-q // ratio) + 1  # the step's own rows

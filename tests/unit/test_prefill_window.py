@@ -92,6 +92,18 @@ def test_placeholder_drafts_are_not_prefill(side):
     assert rs.completes_prefill and rs.num_spec_tokens == 3 and side.window_from["f"] == 3000
 
 
+def test_drafts_counted_before_their_output_arrived_are_unverified(side):
+    """vLLM's asynchronous scheduler counts a step's 1 + K output placeholders until the
+    step's output arrives: all but one may be rejected drafts."""
+    req = request("g", 3000)
+    side.on_new_request(req)
+    meta = side.build_connector_meta(output(cached=[("g", 3004, 4)], drafts={"g": [-1] * 3}))
+    assert meta.requests[0].num_unverified_tokens == 0  # no step in flight (synchronous)
+    req.num_output_placeholders = 4
+    meta = side.build_connector_meta(output(cached=[("g", 3008, 4)], drafts={"g": [-1] * 3}))
+    assert meta.requests[0].num_unverified_tokens == 3
+
+
 def test_streaming_input_session_keeps_its_blocks_and_prefills_each_turn(side):
     req = request("s", 500)
     req.resumable = True

@@ -407,6 +407,35 @@ def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next
     w.end_step()
 
 
+def test_drafts_an_async_scheduler_counts_before_their_verification_are_not_committed():
+    """vLLM's asynchronous scheduler schedules the next step before the verify step's output
+    arrives: it counts all three drafts (54 tokens computed) and says three are unverified.
+    If vLLM then rejects them all, token 51 of row 12 is a rejected draft, so only rows
+    0..11 may be committed; once the output has arrived, row 12 commits from vLLM's
+    recomputed cache."""
+    w = make_worker(max_spec_queries=4)
+    for step in range(len(STEPS)):
+        run_step(w, step)
+    h = w.hierarchy
+
+    def lengths():
+        return [h.source(layer.name).state.seq_len("a") for layer in LAYERS]
+
+    def step(n, computed, scheduled, spec=0, unverified=0):
+        w.begin_step(DHiSparseMetadata(step=n, requests=[
+            RequestStep("a", computed, scheduled, prompt_len=40, block_ids=([], []),
+                        replace_blocks=False, max_tokens=40, num_spec_tokens=spec,
+                        num_unverified_tokens=unverified)]))
+    step(3, 50, 4, spec=3)
+    w.end_step()
+    step(4, 54, 4, spec=3, unverified=3)
+    assert lengths() == [12, 12]
+    w.end_step()
+    step(5, 52, 4, spec=3)  # the output arrived: 51 + the anchor of step 4
+    assert lengths() == [13, 13]
+    w.end_step()
+
+
 # -- item: on CUDA, a step vLLM classes as a decode is served from the hierarchy -------------
 class TableRecorder:
     """Stands in for the routed decode's tables (decode_binding.py): what the worker

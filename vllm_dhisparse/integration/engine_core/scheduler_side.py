@@ -92,6 +92,14 @@ class SchedulerSide:
         sp = getattr(self._requests.get(rid), "sampling_params", None)
         return getattr(sp, "max_tokens", None) or self.max_model_len
 
+    def _unverified(self, rid: str) -> int:
+        """Drafts that ``num_computed_tokens`` already counts though their step's output has
+        not reached the scheduler: vLLM's asynchronous scheduler adds a step's 1 + K
+        output placeholders when it schedules the step and takes the rejected drafts
+        back when the output arrives, so all but one placeholder may be drafts (vLLM's
+        own max_tokens check subtracts the same).  0 without asynchronous scheduling."""
+        return max(0, getattr(self._requests.get(rid), "num_output_placeholders", 0) - 1)
+
     def build_connector_meta(self, out: "SchedulerOutput") -> DHiSparseMetadata:
         meta = DHiSparseMetadata(step=self._step)
         self._step += 1
@@ -115,7 +123,8 @@ class SchedulerSide:
                 max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, new.num_computed_tokens,
                                                           scheduled - spec),
-                num_spec_tokens=spec, handoff_id=self.handoff.handoff_id(rid)))
+                num_spec_tokens=spec, num_unverified_tokens=self._unverified(rid),
+                handoff_id=self.handoff.handoff_id(rid)))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
@@ -131,10 +140,10 @@ class SchedulerSide:
                 replace_blocks=rid in cached.resumed_req_ids,
                 max_tokens=self._max_tokens(rid),
                 completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
-                num_spec_tokens=spec))
-        for rs in meta.requests:
+                num_spec_tokens=spec, num_unverified_tokens=self._unverified(rid)))
+        for rs in meta.requests:  # unverified drafts count as rejected: a later boundary
             self.prefix.on_step(rs.req_id, rs.num_computed_tokens + rs.num_scheduled_tokens
-                                - rs.num_spec_tokens)
+                                - rs.num_spec_tokens - rs.num_unverified_tokens)
         meta.loads = self.handoff.take_loads()
         meta.prefix_captures, meta.prefix_loads, meta.prefix_evictions = self.prefix.take()
         if self.rewrites_before_preemptions and any(c.req_id in meta.preempted

@@ -8,7 +8,9 @@
 * **Committed rows** (compressed rows whose tokens all precede ``num_computed_tokens``,
   eq. 8) are appended to the tail at the next step's start, every request of the step
   in one ``append_batch`` per source.  Rows of drafts are never committed: vLLM's
-  ``num_computed_tokens`` covers accepted tokens only.
+  ``num_computed_tokens`` covers accepted tokens only once the scheduler has seen the
+  step's verification; an asynchronous scheduler counts the previous step's drafts
+  before that (``num_unverified_tokens``), and their rows wait for a later step.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class Admissions:
 
     @staticmethod
     def committed_rows(req: TrackedRequest, layer: SparseLayer) -> int:
-        return req.num_computed_tokens // layer.compress_ratio  # eq. 8: complete rows only
+        verified = req.num_computed_tokens - req.num_unverified_tokens
+        return max(0, verified) // layer.compress_ratio  # eq. 8: complete rows only
 
     def max_rows(self, req: TrackedRequest) -> dict[str, int]:
         return {name: min(self.hierarchy.source(name).spec.max_rows,

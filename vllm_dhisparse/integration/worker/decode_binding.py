@@ -7,7 +7,9 @@ live as long as the engine).  Before every forward, outside graphs, :meth:`write
 rewrites each layer's ``slot_by_block``: the block of an admitted request's newest token
 -> the request's request slot in that layer's source, and the block after it too, because with
 asynchronous scheduling the device's ``seq_lens`` can run one step ahead of the host's
-view and put the newest token there.  After the forward, :meth:`take_counters` reads the
+view and put the newest token there; with speculative decoding also the blocks back to the
+newest token's if every unverified draft of the previous step was rejected, since the host
+counts them before the device has verified them.  After the forward, :meth:`take_counters` reads the
 routing's counters (one device read per step): tokens the hierarchy did not serve mean
 a request reached decode without being admitted, which the worker reports, and a
 request whose rows of the step did not fit its staging rows is named, so that the
@@ -63,9 +65,10 @@ class DecodeBinding:
             for req, tokens in decoding:
                 ids = req.block_ids[layer.group]
                 newest = (tokens - 1) // block_tokens
+                oldest = max(0, tokens - 1 - req.num_unverified_tokens) // block_tokens
                 req_slot = self.hierarchy.req_slot_of(name, req.req_id)
                 self.slot_reqs[name][req_slot] = req.req_id
-                for b in ids[newest:newest + 1 + LOOKAHEAD_BLOCKS]:
+                for b in ids[oldest:newest + 1 + LOOKAHEAD_BLOCKS]:
                     blocks.append(b)
                     req_slots.append(req_slot)
             R.write_slot_by_block(routed.slot_by_block, torch.tensor(blocks, dtype=torch.int64),

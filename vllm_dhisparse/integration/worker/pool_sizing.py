@@ -57,6 +57,16 @@ class SourcePlan:
     floor_pages: int
 
 
+def fresh_rows(max_queries: int, ratio: int) -> int:
+    """Rows a decode step reads past a request's committed ones, at most: those its
+    1 + K queries complete, and with asynchronous scheduling also those of the previous
+    step's K drafts, uncommitted until verified (admission.py): up to 2q - 1 tokens past
+    the committed ones, the first of them anywhere inside a row."""
+    this_step = -(-max_queries // ratio) + 1
+    with_unverified = (2 * max_queries - 1 + ratio - 1) // ratio
+    return max(this_step, with_unverified)
+
+
 def plan_staging(cfg: DHiSparseConfig, plans: list[SourcePlan]) -> StagingSpec | None:
     """The arenas the sources share: chi x N x (overflow + fresh) rows."""
     if not plans:
@@ -76,7 +86,7 @@ def plan_sources(cfg: DHiSparseConfig, layers: list, max_model_len: int, max_num
     for layer in layers:
         layer_rows = -(-max_model_len // layer.compress_ratio) + 1
         hot = cfg.hot_cache_rows_for(layer.top_k)
-        fresh = -(-max_queries // layer.compress_ratio) + 1
+        fresh = fresh_rows(max_queries, layer.compress_ratio)
         overflow = max(0, max_queries * layer.top_k - hot)
         page = layer.rows_per_block
         per_req_pages = required_pages(hot, page, cfg.tail_pages)

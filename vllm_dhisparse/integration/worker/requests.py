@@ -15,6 +15,7 @@ class TrackedRequest:
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # this step's tokens (prefill chunk, or anchor + drafts)
     num_spec_tokens: int = 0  # of those, drafts: computed this step but never committed
+    num_unverified_tokens: int = 0  # of num_computed_tokens, drafts not verified yet
     prefill_complete: bool = False  # its known tokens are computed (or are this step)
     admitted: bool = False
     loaded: bool = False  # admitted from a handoff, not scheduled yet
@@ -53,4 +54,5 @@ class RequestTable(dict):
         req.num_computed_tokens = rs.num_computed_tokens
         req.num_scheduled_tokens = rs.num_scheduled_tokens
         req.num_spec_tokens = rs.num_spec_tokens
+        req.num_unverified_tokens = rs.num_unverified_tokens
         return req, replaced

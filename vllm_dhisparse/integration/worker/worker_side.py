@@ -165,8 +165,11 @@ class WorkerSide(WorkerReport):
             if self.host_prefix is not None:
                 if rs.replace_blocks:
                     self.host_prefix.forget_request(rs.req_id)
-                self.step_tokens[rs.req_id] = (rs.num_computed_tokens, rs.num_computed_tokens
-                                               + rs.num_scheduled_tokens - rs.num_spec_tokens)
+                # unverified drafts: counted before the step (a boundary they passed is not
+                # snapshotted) and not after it (nor one they might pass)
+                self.step_tokens[rs.req_id] = (
+                    rs.num_computed_tokens, rs.num_computed_tokens + rs.num_scheduled_tokens
+                    - rs.num_spec_tokens - rs.num_unverified_tokens)
             if req.failed:
                 continue
             as_decode = rs.num_scheduled_tokens <= self.max_queries
