@@ -151,3 +151,21 @@ def test_the_worker_class_captures_a_preempted_request_before_the_model_runner(m
     w.end_step()
     assert w.take_prefix_reports() == (set(), {3})  # captured, before the zeroing
     assert torch.equal(w.host_prefix.entries[3].blocks["idx"][1], want)
+
+
+def test_a_boundary_passed_under_async_speculation_is_snapshotted_once_verified():
+    """An asynchronous scheduler counts the previous step's draft before its verification
+    (``num_unverified_tokens``): the window at boundary 48 is snapshotted in the step whose
+    verified tokens pass it, not lost between the optimistic count and the verified one."""
+    w, _ = make_worker()
+    prefill(w, "a", A)
+    store = w.host_prefix
+    for step, (computed, new_blocks) in enumerate([(41, [17]), (43, []), (45, [18]),
+                                                   (47, []), (49, [19])], start=1):
+        w.begin_step(DHiSparseMetadata(step=step, requests=[
+            RequestStep("a", computed, 2, prompt_len=40, block_ids=([], [], new_blocks),
+                        replace_blocks=False, max_tokens=16, num_spec_tokens=1,
+                        num_unverified_tokens=1 if step > 1 else 0)]))
+        w.end_step()
+    # the last step: 48 verified tokens before it, 49 after it at least
+    assert store.snapshots["a"].num_tokens == 48

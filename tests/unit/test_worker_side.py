@@ -411,8 +411,8 @@ def test_drafts_an_async_scheduler_counts_before_their_verification_are_not_comm
     """vLLM's asynchronous scheduler schedules the next step before the verify step's output
     arrives: it counts all three drafts (54 tokens computed) and says three are unverified.
     If vLLM then rejects them all, token 51 of row 12 is a rejected draft, so only rows
-    0..11 may be committed; once the output has arrived, row 12 commits from vLLM's
-    recomputed cache."""
+    0..11 may be committed; once the output has arrived, the next step's anchor (at 51)
+    completes row 12, which commits then."""
     w = make_worker(max_spec_queries=4)
     for step in range(len(STEPS)):
         run_step(w, step)
@@ -431,8 +431,15 @@ def test_drafts_an_async_scheduler_counts_before_their_verification_are_not_comm
     step(4, 54, 4, spec=3, unverified=3)
     assert lengths() == [12, 12]
     w.end_step()
-    step(5, 52, 4, spec=3)  # the output arrived: 51 + the anchor of step 4
+    # step 3's output arrived (all rejected: 51) while step 4 (anchor at 51 + 3 drafts)
+    # is in flight: 55 counted, 3 unverified
+    step(5, 55, 4, spec=3, unverified=3)
     assert lengths() == [13, 13]
+    truth = {rid: {layer.name: w.vllm_cache.rows(
+        layer, w.requests[rid].block_ids[layer.group],
+        torch.arange(h.source(layer.name).state.seq_len(rid))) for layer in LAYERS}
+        for rid in ("a", "b")}
+    check_invariants(h, truth)  # the hierarchy's rows are vLLM's rows of verified tokens
     w.end_step()
 
 

@@ -10,8 +10,10 @@ replays it while requests come and go:
 1. the request slot of every decode row from its newest token's block
    (``routing.req_slots``); padding rows and rows of requests the hierarchy
    does not hold get -1;
-2. rows the compressor wrote in this very step (``committed <= row < seq_len // 4``,
-   at most ``fresh_rows`` per request) are copied from vLLM's blocks into the last
+2. rows past the committed ones (``committed <= row < seq_len // 4``: those the
+   compressor wrote in this very step, and with asynchronous scheduling those of the
+   previous step's drafts, committed only once verified; at most ``fresh_rows`` per
+   request) are copied from vLLM's blocks into the last
    ``fresh_rows`` staging rows of the request's request slot;
 3. the tokens' committed selections, grouped per request (``[N, K_max, k]``, the anchor
    and its drafts; ragged groups padded with -1), go to ``KVHierarchy.resolve_req_slots``
@@ -37,7 +39,7 @@ from vllm_dhisparse.triton_kernels.gather import gather_rows
 from . import layout as L
 from . import routing as R
 
-COUNTER_FRESH = 0  # selections of rows written in this step
+COUNTER_FRESH = 0  # selections of rows past the committed ones
 COUNTER_UNROUTED = 1  # valid tokens of requests the hierarchy does not hold
 COUNTER_SELECTED = 2  # valid selections of routed tokens (the census's denominator)
 NUM_COUNTERS = 3

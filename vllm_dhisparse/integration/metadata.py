@@ -25,9 +25,10 @@ class RequestStep:
     completes_prefill: bool = False
     # Of num_scheduled_tokens, draft (or placeholder draft) tokens: never committed.
     num_spec_tokens: int = 0
-    # Of num_computed_tokens, drafts of an earlier step that vLLM's asynchronous scheduler
-    # counts before it has seen their verification: the rejected ones' rows are rewritten
-    # at a later step, so none of them is committed yet.
+    # Of num_computed_tokens, drafts of the previous step that vLLM's asynchronous
+    # scheduler counts before it has seen their verification: the device places this
+    # step's tokens after the accepted ones, rewriting the rows of rejected drafts, so
+    # none of them is committed yet.
     num_unverified_tokens: int = 0
     # kv_producer: the request's KV is captured for a decode instance under this id once
     # its prefill completes (handoff_worker.py).

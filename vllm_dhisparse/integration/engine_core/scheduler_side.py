@@ -95,9 +95,11 @@ class SchedulerSide:
     def _unverified(self, rid: str) -> int:
         """Drafts that ``num_computed_tokens`` already counts though their step's output has
         not reached the scheduler: vLLM's asynchronous scheduler adds a step's 1 + K
-        output placeholders when it schedules the step and takes the rejected drafts
-        back when the output arrives, so all but one placeholder may be drafts (vLLM's
-        own max_tokens check subtracts the same).  0 without asynchronous scheduling."""
+        output placeholders after building this metadata and takes the rejected drafts
+        back when the output arrives, and keeps at most one step of a request
+        unprocessed, so here the placeholders are that step's, all but its anchor drafts
+        (vLLM's own max_tokens check subtracts the same).  0 without asynchronous
+        scheduling."""
         return max(0, getattr(self._requests.get(rid), "num_output_placeholders", 0) - 1)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> DHiSparseMetadata:

@@ -5,8 +5,7 @@
   read from vLLM's paged cache, where every block is still held (kv_spec.py);
   resident-first placement is the hierarchy's call.  A request without room then is
   retried at its next step; with a device window it fails (vLLM frees its blocks).
-* **Committed rows** (compressed rows whose tokens all precede ``num_computed_tokens``,
-  eq. 8) are appended to the tail at the next step's start, every request of the step
+* **Committed rows** (compressed rows whose tokens are all computed and verified, eq. 8) are appended to the tail at the next step's start, every request of the step
   in one ``append_batch`` per source.  Rows of drafts are never committed: vLLM's
   ``num_computed_tokens`` covers accepted tokens only once the scheduler has seen the
   step's verification; an asynchronous scheduler counts the previous step's drafts

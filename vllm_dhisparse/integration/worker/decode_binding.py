@@ -5,11 +5,10 @@ to the layer in ``register_kv_caches``, before vLLM captures its CUDA graphs (a 
 graph runs the layer's Python only at capture, so what it reads must exist then and
 live as long as the engine).  Before every forward, outside graphs, :meth:`write_tables`
 rewrites each layer's ``slot_by_block``: the block of an admitted request's newest token
--> the request's request slot in that layer's source, and the block after it too, because with
-asynchronous scheduling the device's ``seq_lens`` can run one step ahead of the host's
-view and put the newest token there; with speculative decoding also the blocks back to the
-newest token's if every unverified draft of the previous step was rejected, since the host
-counts them before the device has verified them.  After the forward, :meth:`take_counters` reads the
+-> the request's request slot in that layer's source, and the block after it too, for a
+device ``seq_lens`` past the host's count; with asynchronous speculative decoding also the
+blocks back to where the newest token lies if the previous step's drafts, which the host
+counts before their verification, were all rejected.  After the forward, :meth:`take_counters` reads the
 routing's counters (one device read per step): tokens the hierarchy did not serve mean
 a request reached decode without being admitted, which the worker reports, and a
 request whose rows of the step did not fit its staging rows is named, so that the

@@ -44,11 +44,11 @@ class CudaDecode(CpuDecode):
         if lost["unrouted_tokens"] or lost["fresh_rows_lost"]:
             logger.error("DHiSparse: the routed decode served %d tokens without their c4a "
                          "rows (a routing table out of step with vLLM's batch) and lost "
-                         "%d rows of the step that did not fit the staging rows (%s)",
+                         "%d uncommitted rows that did not fit the staging rows (%s)",
                          lost["unrouted_tokens"], lost["fresh_rows_lost"],
                          ", ".join(sorted(lost["lost_requests"])) or "-")
         for rid in lost["lost_requests"]:
             req = requests.get(rid)
             if req is not None and not req.failed:
-                failures.fail(req, "rows its compressor wrote in this step did not fit the "
-                                   "routed decode's staging rows")
+                failures.fail(req, "rows past its committed ones (this step's, or unverified "
+                                   "drafts') did not fit the routed decode's staging rows")

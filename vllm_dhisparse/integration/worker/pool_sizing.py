@@ -12,7 +12,8 @@ Per sparse (c4a) layer, one source:
 
 Shared by the sources: ``staging_arenas`` (chi) verification arenas of
 ``max_num_seqs x (K_max * k - B + fresh)`` rows, where ``fresh`` bounds the
-rows one step computes per request (eq. 11; hierarchy/staging_arena.py).
+rows a step reads past a request's committed ones (:func:`fresh_rows`; eq. 11;
+hierarchy/staging_arena.py).
 
 The device pools are counted **inside** the KV memory the operator gives vLLM
 (``--kv-cache-memory-bytes``, or the share from ``--gpu-memory-utilization``):
@@ -52,7 +53,7 @@ class LayerShape:
 @dataclass(frozen=True)
 class SourcePlan:
     spec: SourceSpec
-    fresh_rows: int  # arena columns for rows computed in the current step
+    fresh_rows: int  # arena columns for rows past the committed ones (fresh_rows())
     overflow_rows: int  # arena columns for verification misses beyond B: K_max * k - B
     floor_pages: int
 
@@ -62,7 +63,7 @@ def fresh_rows(max_queries: int, ratio: int) -> int:
     1 + K queries complete, and with asynchronous scheduling also those of the previous
     step's K drafts, uncommitted until verified (admission.py): up to 2q - 1 tokens past
     the committed ones, the first of them anywhere inside a row."""
-    this_step = -(-max_queries // ratio) + 1
+    this_step = -(-max_queries // ratio) + 1  # + 1: the queries may straddle a row edge
     with_unverified = (2 * max_queries - 1 + ratio - 1) // ratio
     return max(this_step, with_unverified)
 

@@ -78,7 +78,7 @@ class WorkerSide(WorkerReport):
         self.pool_plan = None  # pool_sizing.PoolPlan, made with the hierarchy
         self.requests = RequestTable()
         self.vllm_cache = VllmC4aCaches()
-        self.fresh_rows: dict[str, int] = {}  # per source: arena columns for this step's rows
+        self.fresh_rows: dict[str, int] = {}  # per source: arena columns for uncommitted rows
         self.step_req_ids: list[str] = []  # requests scheduled in the current step
         self.served = ServedCounters()
         self.verify_queries: list[int] = []  # K_r of admitted requests' decode steps
@@ -165,11 +165,12 @@ class WorkerSide(WorkerReport):
             if self.host_prefix is not None:
                 if rs.replace_blocks:
                     self.host_prefix.forget_request(rs.req_id)
-                # unverified drafts: counted before the step (a boundary they passed is not
-                # snapshotted) and not after it (nor one they might pass)
+                # verified tokens only: every one before the step is final on the device
+                # (vLLM frees window blocks behind its own verified count), and the step
+                # adds at least its anchor whatever the device accepted
+                verified = rs.num_computed_tokens - rs.num_unverified_tokens
                 self.step_tokens[rs.req_id] = (
-                    rs.num_computed_tokens, rs.num_computed_tokens + rs.num_scheduled_tokens
-                    - rs.num_spec_tokens - rs.num_unverified_tokens)
+                    verified, verified + rs.num_scheduled_tokens - rs.num_spec_tokens)
             if req.failed:
                 continue
             as_decode = rs.num_scheduled_tokens <= self.max_queries
