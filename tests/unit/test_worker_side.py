@@ -364,12 +364,9 @@ def test_a_request_whose_append_fails_fails_alone(monkeypatch, how):
 
 
 # -- verification: rows of the step stay out of the hierarchy until accepted -------------------
-def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next_step():
-    """"a" verifies an anchor and three drafts (tokens 50..53: rows 12 and 13 computed in
-    the step, read through the staging arena).  Nothing of the step is appended; vLLM
-    accepts one draft (52 tokens computed), so the next step commits row 12 (tokens
-    48..51, anchor and accepted draft) read from vLLM's cache, and row 13, which holds a
-    rejected draft, stays out until vLLM recomputes its tokens."""
+def prefilled_for_speculation():
+    """A worker after STEPS with 1 + 3 queries a step, its hierarchy, and "a"'s committed
+    rows per source."""
     w = make_worker(max_spec_queries=4)
     for step in range(len(STEPS)):
         run_step(w, step)
@@ -377,6 +374,16 @@ def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next
 
     def lengths():
         return [h.source(layer.name).state.seq_len("a") for layer in LAYERS]
+    return w, h, lengths
+
+
+def test_rejected_drafts_never_enter_the_hierarchy_and_accepted_rows_commit_next_step():
+    """"a" verifies an anchor and three drafts (tokens 50..53: rows 12 and 13 computed in
+    the step, read through the staging arena).  Nothing of the step is appended; vLLM
+    accepts one draft (52 tokens computed), so the next step commits row 12 (tokens
+    48..51, anchor and accepted draft) read from vLLM's cache, and row 13, which holds a
+    rejected draft, stays out until vLLM recomputes its tokens."""
+    w, h, lengths = prefilled_for_speculation()
     verify = DHiSparseMetadata(step=3, requests=[
         RequestStep("a", 50, 4, prompt_len=40, block_ids=([], []), replace_blocks=False,
                     max_tokens=40, num_spec_tokens=3)])
@@ -413,13 +420,7 @@ def test_drafts_an_async_scheduler_counts_before_their_verification_are_not_comm
     If vLLM then rejects them all, token 51 of row 12 is a rejected draft, so only rows
     0..11 may be committed; once the output has arrived, the next step's anchor (at 51)
     completes row 12, which commits then."""
-    w = make_worker(max_spec_queries=4)
-    for step in range(len(STEPS)):
-        run_step(w, step)
-    h = w.hierarchy
-
-    def lengths():
-        return [h.source(layer.name).state.seq_len("a") for layer in LAYERS]
+    w, h, lengths = prefilled_for_speculation()
 
     def step(n, computed, scheduled, spec=0, unverified=0):
         w.begin_step(DHiSparseMetadata(step=n, requests=[
