@@ -58,3 +58,15 @@ def test_memory_accounting_equals_its_committed_result(tmp_path):
     assert new.keys() == old.keys(), sorted(new.keys() ^ old.keys())
     off = {p: (old[p], new[p]) for p in new if abs(new[p] - old[p]) > 1e-3 * max(abs(old[p]), 1)}
     assert not off, off
+
+
+def test_staging_memory_equals_its_committed_result():
+    """The hierarchy's device bytes per engine configuration are counted, not timed: the
+    committed ``staging_memory.json`` (its "after" side) must be what the code allocates."""
+    sys.path.insert(0, str(BENCH))
+    import staging_memory
+    got = staging_memory.run_tree(None, str(BENCH.parent / "models" / "needle_v4"))
+    committed = json.loads((BENCH / "results" / "staging_memory.json").read_text())["after"]
+    keys = ("config", "sparse_layers", "max_num_seqs", "k_max", "device_bytes",
+            "required_pages_per_request")
+    assert [{k: g[k] for k in keys} for g in got] == [{k: c[k] for k in keys} for c in committed]
