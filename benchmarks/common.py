@@ -488,9 +488,10 @@ def apply_overrides(items: list) -> dict:
     return out
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: dict, path: str | Path | None = None) -> Path:
+    """``payload`` as ``results/<name>.json``, or at ``path``."""
+    path = Path(path) if path else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=float)
     print(f"wrote {path}")

@@ -104,7 +104,6 @@ def gib(b: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
 
     import common as C
     ap = argparse.ArgumentParser(description="Per-session device memory from the package's "
@@ -153,12 +152,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{gib(b['index_state']):.4f} GiB; always-resident window + c128 {gib(b['always_resident_payload']):.4f} GiB")
     out["shapes"][ds.name] = {K500: {"table_gib": {k: gib(v) for k, v in t.items()},
                                      "breakdown_bytes": b}}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1, default=float)
-        print(f"wrote {args.out}")
-    else:
-        C.write_json("memory_accounting", out)
+    C.write_json("memory_accounting", out, args.out)
     return 0
 
 

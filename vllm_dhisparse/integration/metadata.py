@@ -34,6 +34,11 @@ class RequestStep:
     # its prefill completes (handoff_worker.py).
     handoff_id: str | None = None
 
+    @property
+    def num_verified_tokens(self) -> int:
+        """Tokens before this step whose KV is final on the device."""
+        return self.num_computed_tokens - self.num_unverified_tokens
+
 
 @dataclass
 class LoadItem:

@@ -144,8 +144,8 @@ class SchedulerSide:
                 completes_prefill=self._completes_prefill(rid, computed, scheduled - spec),
                 num_spec_tokens=spec, num_unverified_tokens=self._unverified(rid)))
         for rs in meta.requests:  # unverified drafts count as rejected: a later boundary
-            self.prefix.on_step(rs.req_id, rs.num_computed_tokens + rs.num_scheduled_tokens
-                                - rs.num_spec_tokens - rs.num_unverified_tokens)
+            self.prefix.on_step(rs.req_id, rs.num_verified_tokens + rs.num_scheduled_tokens
+                                - rs.num_spec_tokens)
         meta.loads = self.handoff.take_loads()
         meta.prefix_captures, meta.prefix_loads, meta.prefix_evictions = self.prefix.take()
         if self.rewrites_before_preemptions and any(c.req_id in meta.preempted

@@ -5,8 +5,8 @@
   read from vLLM's paged cache, where every block is still held (kv_spec.py);
   resident-first placement is the hierarchy's call.  A request without room then is
   retried at its next step; with a device window it fails (vLLM frees its blocks).
-* **Committed rows** (compressed rows whose tokens are all computed and verified, eq. 8) are appended to the tail at the next step's start, every request of the step
-  in one ``append_batch`` per source.  Rows of drafts are never committed: vLLM's
+* **Committed rows** (compressed rows whose tokens are all computed and verified, eq. 8)
+  are appended to the tail at the next step's start, every request of the step in one ``append_batch`` per source.  Rows of drafts are never committed: vLLM's
   ``num_computed_tokens`` covers accepted tokens only once the scheduler has seen the
   step's verification; an asynchronous scheduler counts the previous step's drafts
   before that (``num_unverified_tokens``), and their rows wait for a later step.
@@ -38,8 +38,7 @@ class Admissions:
 
     @staticmethod
     def committed_rows(req: TrackedRequest, layer: SparseLayer) -> int:
-        verified = req.num_computed_tokens - req.num_unverified_tokens
-        return max(0, verified) // layer.compress_ratio  # eq. 8: complete rows only
+        return req.num_verified_tokens // layer.compress_ratio  # eq. 8: complete rows only
 
     def max_rows(self, req: TrackedRequest) -> dict[str, int]:
         return {name: min(self.hierarchy.source(name).spec.max_rows,

@@ -22,6 +22,10 @@ class TrackedRequest:
     failed: str | None = None
     rows: dict[str, int] = field(default_factory=dict)  # committed rows per source
 
+    @property
+    def num_verified_tokens(self) -> int:
+        return self.num_computed_tokens - self.num_unverified_tokens
+
 
 class RequestTable(dict):
     """request id -> :class:`TrackedRequest` of the requests vLLM has scheduled."""

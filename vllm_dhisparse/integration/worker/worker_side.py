@@ -168,7 +168,7 @@ class WorkerSide(WorkerReport):
                 # verified tokens only: every one before the step is final on the device
                 # (vLLM frees window blocks behind its own verified count), and the step
                 # adds at least its anchor whatever the device accepted
-                verified = rs.num_computed_tokens - rs.num_unverified_tokens
+                verified = rs.num_verified_tokens
                 self.step_tokens[rs.req_id] = (
                     verified, verified + rs.num_scheduled_tokens - rs.num_spec_tokens)
             if req.failed:
