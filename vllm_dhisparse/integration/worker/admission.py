@@ -6,7 +6,8 @@
   resident-first placement is the hierarchy's call.  A request without room then is
   retried at its next step; with a device window it fails (vLLM frees its blocks).
 * **Committed rows** (compressed rows whose tokens are all computed and verified, eq. 8)
-  are appended to the tail at the next step's start, every request of the step in one ``append_batch`` per source.  Rows of drafts are never committed: vLLM's
+  are appended to the tail at the next step's start, every request of the step in one
+  ``append_batch`` per source.  Rows of drafts are never committed: vLLM's
   ``num_computed_tokens`` covers accepted tokens only once the scheduler has seen the
   step's verification; an asynchronous scheduler counts the previous step's drafts
   before that (``num_unverified_tokens``), and their rows wait for a later step.

@@ -9,10 +9,10 @@ rewrites each layer's ``slot_by_block``: the block of an admitted request's newe
 device ``seq_lens`` past the host's count; with asynchronous speculative decoding also the
 blocks back to where the newest token lies if the previous step's drafts, which the host
 counts before their verification, were all rejected.  After the forward,
-:meth:`take_counters` reads the routing's counters (one device read per step): tokens the hierarchy did not serve mean
-a request reached decode without being admitted, which the worker reports, and a
-request whose rows of the step did not fit its staging rows is named, so that the
-worker fails it.
+:meth:`take_counters` reads the routing's counters (one device read per step): tokens
+the hierarchy did not serve mean a request reached decode without being admitted, which
+the worker reports, and a request whose rows of the step did not fit its staging rows is
+named, so that the worker fails it.
 """
 from __future__ import annotations
 
