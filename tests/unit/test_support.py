@@ -23,8 +23,16 @@ class Platform:
 H200 = Platform(False, "cuda", SimpleNamespace(major=9, minor=0))
 
 
+def spec(method, num_speculative_tokens=3, **more):
+    """A speculative_config as check_supported reads it: vLLM's defaults but for ``more``."""
+    return SimpleNamespace(**{"method": method, "num_speculative_tokens": num_speculative_tokens,
+                              "enable_adaptive_verification": False,
+                              "num_speculative_tokens_per_batch_size": None,
+                              "rejection_sample_method": "standard", **more})
+
+
 def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, role="kv_both",
-           world_size=1, graphs="NONE", compiled="NONE", extra=None):
+           world_size=1, graphs="NONE", compiled="NONE", extra=None, v2_runner=True):
     """What check_supported reads of an engine config: the step budget against the
     longest prompt; on CUDA the speculative config, the KV role, the GPUs per engine and the
     CUDA graph and compilation modes (--enforce-eager: both NONE)."""
@@ -32,7 +40,7 @@ def config(budget=None, chunked_prefill=False, max_model_len=8192, spec=None, ro
         model_config=SimpleNamespace(max_model_len=max_model_len),
         scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill,
                                          max_num_scheduled_tokens=budget),
-        speculative_config=spec,
+        speculative_config=spec, use_v2_model_runner=v2_runner,
         kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=extra or {}),
         parallel_config=SimpleNamespace(world_size=world_size),
         compilation_config=SimpleNamespace(
@@ -54,6 +62,38 @@ def test_one_sm90_gpu_serving_alone_is_accepted_eager_and_with_decode_graphs(gra
     check_supported(config(graphs=graphs, extra={"host_prefix_gib": 0.5}), H200)
 
 
+@pytest.fixture
+def audited(monkeypatch):
+    """As once the speculative audit has passed on a GPU for ngram and DSpark."""
+    from vllm_dhisparse.integration import support
+    monkeypatch.setattr(support, "AUDITED_SPEC", ("ngram", "dspark"))
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 3), ("dspark", 3), ("ngram", 1), ("dspark", 2)])
+def test_audited_speculative_decoding_is_accepted_on_sm90_with_vllms_graphs(audited, method, k):
+    check_supported(config(graphs="FULL_AND_PIECEWISE", spec=spec(method, k)), H200)
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (config(spec=spec("dflash")), r"speculative decoding \(dflash\).*audited there: ngram, "
+                                  r"dspark\)"),
+    (config(spec=spec("dspark", enable_adaptive_verification=True)),
+     r"enable_adaptive_verification verifies a varying number.*fixed num_speculative_tokens"),
+    (config(spec=spec("ngram", num_speculative_tokens_per_batch_size=[(1, 8, 3)])),
+     r"num_speculative_tokens_per_batch_size verifies a varying number"),
+    (config(spec=spec("ngram", rejection_sample_method="synthetic")),
+     r"rejection_sample_method 'synthetic'.*'standard' has"),
+    (config(spec=spec("dspark", num_speculative_tokens=4)),
+     r"num_speculative_tokens 4 .*Pass num_speculative_tokens <= 3"),
+    (config(spec=spec("ngram"), v2_runner=False),
+     r"Model Runner V2 only; unset VLLM_USE_V2_MODEL_RUNNER=0"),
+])
+def test_what_an_audited_method_has_not_covered_stays_refused(audited, cfg, needle):
+    with pytest.raises(ValueError, match="DHiSparseConnector: .*" + needle):
+        check_supported(cfg, H200)
+    check_supported(cfg, H200, unaudited=True)
+
+
 SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
 
 
@@ -66,8 +106,9 @@ SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
     (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset with compilation mode "
                                                r"unset"),
     (SM100, config(), r"compute capability 10\.0 \(SM100\) has not run the connector yet"),
-    (H200, config(spec=SimpleNamespace(method="dspark")),
-     r"speculative decoding \(dspark\).*Drop --speculative-config"),
+    (H200, config(spec=spec("dspark")),
+     r"speculative decoding \(dspark\).*\(audited there: none yet\).*Drop "
+     r"--speculative-config"),
 ])
 def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subclass(
         platform, cfg, needle):
