@@ -19,15 +19,14 @@ way at another row count.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from tests import isa
+from vllm_dhisparse.demo import free_port, wait_healthy
 
 from .conftest import REPO, assert_same_outputs, run_offline
 from .readme_block import (completions_in, metric, post_json, readme_pd_block, run_block,
@@ -46,12 +45,6 @@ SETS = "ABC"
 
 def args(lens=LENS, max_tokens=MAX_TOKENS):
     return ["--prompt-lens", *map(str, lens), "--max-tokens", *map(str, max_tokens)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Producer:
@@ -229,18 +222,6 @@ def test_failed_handoff_recomputes(demo_model, producer, resident, tmp_path):
     assert held["held"] >= 2 and held["sent"] >= 1 and held["expired"] == 0, held
 
 
-def wait_for_health(url: str, server: subprocess.Popen, log, timeout_s: float = 900) -> None:
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return
-        except OSError:
-            assert server.poll() is None, f"resident server exited:\n{log.read_text()[-6000:]}"
-            assert time.time() < deadline, f"resident server not up after {timeout_s:.0f} s"
-            time.sleep(2)
-
-
 def test_readme_two_servers(demo_model, tmp_path):
     """The documented P/D block (docs/pd_handoff.md, README's pointer), run by bash as
     written (the demo model for MODEL, free ports
@@ -261,11 +242,12 @@ def test_readme_two_servers(demo_model, tmp_path):
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"],
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # resident serving's thread count
     shell = run_block(block, log, env, tmp_path)
-    resident_url, resident_log = f"http://127.0.0.1:{free_port()}", tmp_path / "resident.log"
+    resident_port = free_port()
+    resident_url = f"http://127.0.0.1:{resident_port}"
     resident = run_block(
         f"exec {sys.executable} -m vllm.entrypoints.openai.api_server --model {demo_model} "
-        f"--host 127.0.0.1 --port {resident_url.rsplit(':', 1)[1]} --kv-cache-memory-bytes 1G "
-        f"--no-enable-prefix-caching", resident_log, env, tmp_path)
+        f"--host 127.0.0.1 --port {resident_port} --kv-cache-memory-bytes 1G "
+        f"--no-enable-prefix-caching", tmp_path / "resident.log", env, tmp_path)
     try:
         wait_for_block(shell, log)
         text = log.read_text()
@@ -280,7 +262,7 @@ def test_readme_two_servers(demo_model, tmp_path):
         got = post_json(decode_url + "/v1/completions", {
             **req, "max_tokens": MAX_TOKENS[0], "logprobs": 1, "return_token_ids": True,
             "kv_transfer_params": first["kv_transfer_params"]})["choices"][0]
-        wait_for_health(resident_url, resident, resident_log)
+        wait_healthy(resident_url, resident, 900)
         want = post_json(resident_url + "/v1/completions", {
             **req, "max_tokens": MAX_TOKENS[0], "logprobs": 1,
             "return_token_ids": True})["choices"][0]

@@ -123,7 +123,7 @@ def spec_problem(vllm_config) -> str | None:
     if varying:
         return (f"speculative_config {varying[0]} verifies a varying number of draft tokens "
                 f"per step, which the audit of the connector on CUDA has not covered. Use a "
-                f"fixed num_speculative_tokens, or {way_out[0].lower() + way_out[1:]}")
+                f"fixed num_speculative_tokens. {way_out}")
     sampler = getattr(spec, "rejection_sample_method", "standard")
     if sampler != "standard":
         return (f"speculative_config rejection_sample_method {sampler!r} with the connector "
