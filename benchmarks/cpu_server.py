@@ -2,6 +2,7 @@
 and capacity at a fixed KV budget (vLLM's OpenAI server, the demo model).
 
     python benchmarks/cpu_server.py --out benchmarks/results/cpu_server [--phases ...]
+    python benchmarks/cpu_server.py --smoke --out /tmp/cs    # CI: both phases, tiny shapes
 
 Phases (one server per arm on 127.0.0.1, same engine arguments):
 
@@ -277,7 +278,14 @@ def main(argv=None) -> int:
     ap.add_argument("--connector", default='{"hot_cache_rows": 512}',
                     help="the connector arm's kv_connector_extra_config (JSON)")
     ap.add_argument("--plot", metavar="JSON", help="draw a committed results file and exit")
+    ap.add_argument("--smoke", action="store_true", help="one latency round of 200-token "
+                    "prompts and one 600-token capacity run of 3 requests; exit 1 unless "
+                    "every request got all its tokens")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.__dict__.update(rounds=1, latency_prompt=200, latency_tokens=16,
+                             latency_kv_bytes=100_000_000, capacity="600:50000000",
+                             capacity_tokens=8, requests=3)
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), args.out + ".png")
         return 0
@@ -309,6 +317,16 @@ def main(argv=None) -> int:
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))
     plot(res, args.out + ".png")
     print("wrote", args.out + ".json", args.out + ".png")
+    if args.smoke:
+        short = [f"{arm} capacity {p}" for p, arms in res.get("capacity", {}).items()
+                 for arm, r in arms.items()
+                 if r["output_tokens"] != args.requests * args.capacity_tokens]
+        short += [f"{arm} latency x{n}" for arm, r in res.get("latency", {}).items()
+                  if arm in ("resident", "connector") for n in (1, 4)
+                  if any(i is None for i in r[f"concurrency_{n}"]["itl_s"])]
+        print("CHECK: " + (f"requests short of their tokens: {', '.join(short)}" if short
+                           else "every request got all its tokens"))
+        return 1 if short else 0
     return 0
 
 

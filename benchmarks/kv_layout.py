@@ -2,6 +2,7 @@
 most the connector can save per token of history in it.
 
     python benchmarks/kv_layout.py [--shapes demo v4flash] [--out benchmarks/results/kv_layout]
+    python benchmarks/kv_layout.py --smoke    # CI: the demo shape against the ledger's result
 
 vLLM keeps every KV cache group's blocks in one pool in which a block id, whatever its
 group, costs the same stride (the widest group's bytes per block).  A request's history
@@ -63,6 +64,35 @@ def child(model: str, connector: bool, kv_bytes: int) -> None:
                                       groups=groups)), flush=True)
 
 
+LAYOUT_KEYS = ("spec", "layers", "block_size", "sliding_window")
+
+
+def layout(arm: dict) -> dict:
+    """What of an arm's KV layout does not depend on the memory given to it."""
+    return dict(block_stride=arm["block_stride"],
+                groups=[{k: g[k] for k in LAYOUT_KEYS} for g in arm["groups"]])
+
+
+def smoke_check(shape: dict, name: str) -> list[str]:
+    """Differences between a fresh ``shape`` result and the latest ledger record of this
+    benchmark: its headline ratio and, from the record's file, each arm's strides and groups.
+    The layout is vLLM's and the connector's bookkeeping, not a timing: equal or wrong."""
+    from benchmarks import ledger
+    rec = ledger.latest(ledger.load())[("kv_layout", "cpu")]
+    problems = []
+    key = f"most_sessions_ratio_{name}"
+    if rec["metrics"].get(key) != shape["most_sessions_ratio"]:
+        problems.append(f"{key}: {shape['most_sessions_ratio']} here, "
+                        f"{rec['metrics'].get(key)} in the ledger ({rec['files'][0]})")
+    with open(ledger.RESULTS / rec["files"][0]) as f:
+        committed = json.load(f)["shapes"][name]
+    for arm in ("resident", "connector"):
+        got, want = layout(shape[arm]), layout(committed[arm])
+        if got != want:
+            problems.append(f"{name} {arm}: layout {got} here, {want} in {rec['files'][0]}")
+    return problems
+
+
 def run_arm(model: str, connector: bool, kv_bytes: int) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", model,
@@ -81,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bytes", type=int, default=6 << 30,
                     help="kv_cache_memory_bytes (enough for one 4K-token request of the shape)")
     ap.add_argument("--out", default=None, help="results path without extension")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the demo shape in 200 MB, checked against the ledger's latest result")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--connector", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -88,6 +120,8 @@ def main(argv=None) -> int:
         child(args.child, args.connector, args.kv_bytes)
         return 0
     from benchmarks.common import metadata
+    if args.smoke:
+        args.shapes, args.kv_bytes = ["demo"], 200_000_000
     out = dict(meta=metadata(), history_block_tokens=HISTORY_BLOCK_TOKENS, shapes={})
     for name in args.shapes:
         model = shape_dir(name)
@@ -100,6 +134,11 @@ def main(argv=None) -> int:
             most_sessions_ratio=round(sr / sc, 3))
         print(f"{name}: block stride {sr:,} B resident, {sc:,} B with the connector: at most "
               f"{sr / sc:.3f}x the sessions per byte of history", flush=True)
+    if args.smoke:
+        problems = smoke_check(out["shapes"]["demo"], "demo")
+        print("CHECK: " + ("; ".join(problems) if problems else
+                           "the layout equals the ledger's latest kv_layout result"))
+        return 1 if problems else 0
     if args.out:
         with open(f"{args.out}.json", "w") as f:
             json.dump(out, f, indent=1)

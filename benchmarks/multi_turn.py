@@ -3,6 +3,8 @@ prefix hits from host memory, and the connector without them.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR \\
         [--conversations 12 --turns 3 --first-tokens 4000 --turn-tokens 150 --max-tokens 16]
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR --smoke \
+        --out /tmp/mt    # CI: 3 short conversations, 2 turns; fails unless tokens equal resident
 
 Every arm runs in its own process with the same KV budget in bytes (the connector's
 device pools come out of it, as in test_capacity.py), prefix caching on (forced where
@@ -177,9 +179,14 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
     ap.add_argument("--out", default=None, help="result path without suffix (default: "
                     "benchmarks/results/multi_turn_<date>_<commit>)")
+    ap.add_argument("--smoke", action="store_true", help="3 conversations of 600 tokens, 2 "
+                    "turns of 4 tokens; exit 1 unless every arm's tokens equal resident's")
     ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, this process
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.__dict__.update(conversations=3, turns=2, first_tokens=600, turn_tokens=60,
+                             max_tokens=4, max_model_len=800, kv_cache_bytes=100_000_000)
     if args.arm:
         with open(args.result_file, "w") as f:
             json.dump(run_arm(args), f)
@@ -192,7 +199,8 @@ def main(argv=None) -> int:
                                                     f"{meta.get('git_commit') or 'nocommit'}")
     arms = {}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    same = [x for k, v in vars(args).items() if k not in ("arm", "arms", "result_file", "out")
+    same = [x for k, v in vars(args).items()
+            if k not in ("arm", "arms", "result_file", "out", "smoke")
             for x in (f"--{k.replace('_', '-')}", str(v))]
     for arm in args.arms:
         path = f"{out}.{arm}.tmp.json"
@@ -222,6 +230,12 @@ def main(argv=None) -> int:
                                for k, v in r.items()))
     if set(ARMS) <= set(arms):
         plot(result, f"{out}.png")
+    if args.smoke:
+        off = [f"{r['arm']} turn {r['turn']}" for r in rows
+               if r["same_tokens_as_resident"] not in (None, r["conversations"])]
+        print("CHECK: " + (f"tokens differ from resident serving: {', '.join(off)}" if off
+                           else "every arm's tokens equal resident serving's"))
+        return 1 if off else 0
     return 0
 
 

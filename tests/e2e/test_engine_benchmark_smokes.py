@@ -1,0 +1,52 @@
+"""The engine benchmarks stay runnable: ``kv_layout``, ``multi_turn`` and ``cpu_server``
+each in its ``--smoke`` mode (tiny shapes), all three at once.
+
+They start vLLM (two engines, three engines, four servers), and ``cpu_server`` waits on its
+servers much of its time, so running them side by side costs about the longest of them.
+Each smoke checks something and exits 1 when it does not hold: ``kv_layout`` its layout
+against the ledger's latest result (strides and groups, exact: vLLM's bookkeeping, not a
+timing), ``multi_turn`` every arm's tokens against resident serving's, ``cpu_server`` that
+every request got all its tokens.  Their timings on CI's CPU mean nothing and are not read.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+BENCH = os.path.join(REPO, "benchmarks")
+
+
+def test_engine_benchmark_smokes(demo_model, tmp_path):
+    runs = {
+        "kv_layout": ([], "the layout equals the ledger's latest kv_layout result"),
+        "multi_turn": (["--model", demo_model, "--out", str(tmp_path / "mt")],
+                       "every arm's tokens equal resident serving's"),
+        "cpu_server": (["--model", demo_model, "--out", str(tmp_path / "cs")],
+                       "every request got all its tokens"),
+    }
+    procs = {}
+    for name, (args, _) in runs.items():
+        log = open(tmp_path / f"{name}.log", "w")
+        procs[name] = (subprocess.Popen([sys.executable, os.path.join(BENCH, f"{name}.py"),
+                                         "--smoke", *args], stdout=log,
+                                        stderr=subprocess.STDOUT, cwd=tmp_path), log)
+    failed = {}
+    for name, (proc, log) in procs.items():
+        try:
+            rc = proc.wait(timeout=1500)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        text = (tmp_path / f"{name}.log").read_text()
+        if rc != 0 or f"CHECK: {runs[name][1]}" not in text:
+            failed[name] = f"rc {rc}\n{text[-3000:]}"
+    assert not failed, "\n\n".join(f"{k}: {v}" for k, v in failed.items())
+    for stem in ("mt", "cs"):
+        assert (tmp_path / f"{stem}.json").stat().st_size > 0
+        assert (tmp_path / f"{stem}.png").stat().st_size > 0
