@@ -87,9 +87,10 @@ def test_speculative_verification_calls_equal_upstreams_in_the_engine(tmp_path, 
     """Speculative decoding with vLLM's GPU defaults (Model Runner V2's speculators; DSpark
     with the demo's drafter, scripts/gpu_spec.py): every verification step routes 1 + K
     queries per request, and every routed decode call, eager or replayed from a FULL graph,
-    equals upstream's decode on vLLM's blocks bit for bit.  The package refuses speculative
-    decoding on CUDA until this has passed on a GPU, so the engine runs the measuring
-    subclass (scripts/gpu_measure.py)."""
+    equals upstream's decode on vLLM's blocks bit for bit.  The package serves a method on
+    CUDA once this has passed for it (``support.AUDITED_SPEC``); the engine runs the
+    measuring subclass (scripts/gpu_measure.py) so that a method can be audited before
+    that."""
     extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0}
     doc = run(tmp_path, "--arms", "connector", "--audit", "--unaudited", "--spec", method,
               "--scenarios", "batch,preempt,abort", "--extra", json.dumps(extra))

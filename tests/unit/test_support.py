@@ -62,15 +62,8 @@ def test_one_sm90_gpu_serving_alone_is_accepted_eager_and_with_decode_graphs(gra
     check_supported(config(graphs=graphs, extra={"host_prefix_gib": 0.5}), H200)
 
 
-@pytest.fixture
-def audited(monkeypatch):
-    """As once the speculative audit has passed on a GPU for ngram and DSpark."""
-    from vllm_dhisparse.integration import support
-    monkeypatch.setattr(support, "AUDITED_SPEC", ("ngram", "dspark"))
-
-
 @pytest.mark.parametrize("method,k", [("ngram", 3), ("dspark", 3), ("ngram", 1), ("dspark", 2)])
-def test_audited_speculative_decoding_is_accepted_on_sm90_with_vllms_graphs(audited, method, k):
+def test_audited_speculative_decoding_is_accepted_on_sm90_with_vllms_graphs(method, k):
     check_supported(config(graphs="FULL_AND_PIECEWISE", spec=spec(method, k)), H200)
 
 
@@ -88,7 +81,7 @@ def test_audited_speculative_decoding_is_accepted_on_sm90_with_vllms_graphs(audi
     (config(spec=spec("ngram"), v2_runner=False),
      r"Model Runner V2 only; unset VLLM_USE_V2_MODEL_RUNNER=0"),
 ])
-def test_what_an_audited_method_has_not_covered_stays_refused(audited, cfg, needle):
+def test_what_an_audited_method_has_not_covered_stays_refused(cfg, needle):
     with pytest.raises(ValueError, match="DHiSparseConnector: .*" + needle):
         check_supported(cfg, H200)
     check_supported(cfg, H200, unaudited=True)
@@ -106,8 +99,8 @@ SM100 = Platform(False, "cuda", SimpleNamespace(major=10, minor=0))
     (H200, config(graphs=None, compiled=None), r"cudagraph_mode unset with compilation mode "
                                                r"unset"),
     (SM100, config(), r"compute capability 10\.0 \(SM100\) has not run the connector yet"),
-    (H200, config(spec=spec("dspark")),
-     r"speculative decoding \(dspark\).*\(audited there: none yet\).*Drop "
+    (H200, config(spec=spec("dflash2")),
+     r"speculative decoding \(dflash2\).*\(audited there: ngram, dspark\).*Drop "
      r"--speculative-config"),
 ])
 def test_what_the_audit_has_not_covered_is_refused_except_for_the_measuring_subclass(

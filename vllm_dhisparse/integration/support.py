@@ -93,14 +93,14 @@ FLASHMLA_SM = (9, 10)  # major compute capabilities of vLLM 0.33's FlashMLA V4 s
 AUDITED_GRAPHS = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
 
 
-# Speculative methods whose verification steps have run exact inside a CUDA engine: none
-# yet.  Their first audit (ngram and DSpark, K = 3, Model Runner V2, vLLM's standard
-# rejection sampler, asynchronous scheduling) found rows of rejected drafts committed; the
-# fix has not run on a GPU (docs/speculative.md).  Once it has, the audited methods go here
-# and the checks after the method stay: K from 1 to 3 routes 2-4 queries per request, which
-# the layer-level checks cover, while a larger K needs more fresh rows
-# (pool_sizing.fresh_rows) than any audited run used.
-AUDITED_SPEC: tuple[str, ...] = ()
+# Speculative methods whose verification steps have run exact inside a CUDA engine: every
+# routed decode call that served requests bit-identical to upstream's decode on vLLM's blocks,
+# K = 3, Model Runner V2, vLLM's standard rejection sampler, asynchronous scheduling,
+# FULL_AND_PIECEWISE graphs, drafts both accepted and rejected (docs/speculative.md).  The
+# checks after the method stay: K from 1 to 3 routes 2-4 queries per request, which the
+# layer-level checks cover, while a larger K needs more fresh rows (pool_sizing.fresh_rows)
+# than any audited run used.
+AUDITED_SPEC: tuple[str, ...] = ("ngram", "dspark")
 AUDITED_MAX_SPEC_TOKENS = 3
 
 
