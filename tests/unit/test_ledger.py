@@ -48,6 +48,19 @@ def test_a_headline_without_a_record_and_a_record_without_a_key_are_errors(tmp_p
         ledger.load(bad)
 
 
+def test_a_result_naming_no_commit_needs_the_commit_that_committed_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setitem(ledger.EXTRACTORS, "b", lambda doc: ("c", {"x": doc["x"]}))
+    (tmp_path / "b.json").write_text(json.dumps({"meta": {"date_utc": "2026-12-01T10:00:00Z"},
+                                                 "x": 1}))
+    with pytest.raises(ValueError, match="b.json names no commit"):
+        ledger.record_from("b", ["b.json"])
+    monkeypatch.setitem(ledger.COMMITTED_IN, "b.json", dict(commit="abc1234", machine="m"))
+    assert ledger.record_from("b", ["b.json"]) == dict(
+        benchmark="b", config="c", commit="abc1234", date="2026-12-01", machine="m",
+        metrics={"x": 1}, files=["b.json"], commit_note=ledger.COMMIT_NOTE)
+
+
 def test_check_fails_when_the_readme_drifts(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     text = ledger.README.read_text()
