@@ -23,6 +23,18 @@ def test_every_number_is_the_result_files_number():
             assert ledger.record_from(rec["benchmark"], rec["files"]) == rec
 
 
+def test_every_result_file_is_named_by_the_ledger():
+    """results/ holds the ledger, the files its records name and archive/ (superseded runs);
+    a file inside a run's folder of logs counts only where a record names it."""
+    named = {f for rec in ledger.load() for f in rec["files"]}
+    stray = sorted(f for f in (p.relative_to(ledger.RESULTS).as_posix()
+                               for p in ledger.RESULTS.rglob("*") if p.is_file())
+                   if f not in named and f != ledger.LEDGER.name and not f.startswith("archive/"))
+    assert stray == [], (f"results/ holds files no ledger record names: {stray}; give the run "
+                         "a record (python benchmarks/ledger.py --add BENCHMARK FILE...) or move "
+                         "a superseded run to results/archive/")
+
+
 def test_readme_results_table_is_the_ledgers():
     assert ledger.readme_table(ledger.README.read_text()) == ledger.render(ledger.load()), \
         "README.md's results table is not the ledger's: python benchmarks/ledger.py --readme"
