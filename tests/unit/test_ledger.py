@@ -23,6 +23,18 @@ def test_every_number_is_the_result_files_number():
             assert ledger.record_from(rec["benchmark"], rec["files"]) == rec
 
 
+def test_every_result_file_is_named_by_the_ledger():
+    """results/ holds the ledger, the files its records name and archive/ (superseded runs);
+    a file inside a run's folder of logs counts only where a record names it."""
+    named = {f for rec in ledger.load() for f in rec["files"]}
+    stray = sorted(f for f in (p.relative_to(ledger.RESULTS).as_posix()
+                               for p in ledger.RESULTS.rglob("*") if p.is_file())
+                   if f not in named and f != ledger.LEDGER.name and not f.startswith("archive/"))
+    assert stray == [], (f"results/ holds files no ledger record names: {stray}; give the run "
+                         "a record (python benchmarks/ledger.py --add BENCHMARK FILE...) or move "
+                         "a superseded run to results/archive/")
+
+
 def test_readme_results_table_is_the_ledgers():
     assert ledger.readme_table(ledger.README.read_text()) == ledger.render(ledger.load()), \
         "README.md's results table is not the ledger's: python benchmarks/ledger.py --readme"
@@ -46,6 +58,19 @@ def test_a_headline_without_a_record_and_a_record_without_a_key_are_errors(tmp_p
     bad.write_text(json.dumps({"benchmark": "b", "config": "c"}) + "\n")
     with pytest.raises(ValueError, match=r"ledger.jsonl:1: record lacks \['commit'"):
         ledger.load(bad)
+
+
+def test_a_result_naming_no_commit_needs_the_commit_that_committed_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(ledger, "RESULTS", tmp_path)
+    monkeypatch.setitem(ledger.EXTRACTORS, "b", lambda doc: ("c", {"x": doc["x"]}))
+    (tmp_path / "b.json").write_text(json.dumps({"meta": {"date_utc": "2026-12-01T10:00:00Z"},
+                                                 "x": 1}))
+    with pytest.raises(ValueError, match="b.json names no commit"):
+        ledger.record_from("b", ["b.json"])
+    monkeypatch.setitem(ledger.COMMITTED_IN, "b.json", dict(commit="abc1234", machine="m"))
+    assert ledger.record_from("b", ["b.json"]) == dict(
+        benchmark="b", config="c", commit="abc1234", date="2026-12-01", machine="m",
+        metrics={"x": 1}, files=["b.json"], commit_note=ledger.COMMIT_NOTE)
 
 
 def test_check_fails_when_the_readme_drifts(tmp_path, monkeypatch):
