@@ -3,6 +3,7 @@ against the connector under memory pressure, with the corrupted-mapping control 
 ablation of the indexer's top-k.
 
     python benchmarks/needle.py --out benchmarks/results/needle --ablation
+    python benchmarks/needle.py --smoke --out /tmp/needle    # CI: one 4K prompt per arm
 
 Prompts: vllm_dhisparse/needle.py (a five-digit pass key and three distractor keys in filler
 text, the question at the end), ``--per-cell`` prompts for every ``--lengths`` x ``--depths``
@@ -191,7 +192,7 @@ def plot(res: dict, path: str) -> None:
     print("wrote", path)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "needle_v4"))
     ap.add_argument("--out", default=None, help="results path without extension")
@@ -213,7 +214,13 @@ def main() -> int:
                          "docstrings, the filler text, differ: the GPU's)")
     ap.add_argument("--prompts", default=None, metavar="FILE",
                     help="the prompts --write-prompts wrote, instead of making them here")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="one 4,096-token prompt (depth 0.5); exit 1 unless resident serving "
+                         "answers it, the connector's tokens and logprobs equal resident's and "
+                         "the control does not answer")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.lengths, args.depths, args.per_cell, args.ablation = [4096], [0.5], 1, False
     if args.resident2:
         ARMS["resident2"] = None
     if args.prompts:
@@ -292,6 +299,16 @@ def main() -> int:
     plot(res, f"{out}.png")
     if out.resolve().parent == ledger.RESULTS:  # a run kept in results/ gets its record
         ledger.append_from("needle", [f"{out.name}.json", f"{out.name}.png"])
+    if args.smoke:
+        s = res["summary"]
+        wrong = [what for what, bad in (
+            ("resident serving did not answer", s["resident"] < 1),
+            ("the connector's outputs differ from resident serving's",
+             not s["connector_equals_resident"]),
+            ("the scrambled control still answered", s["control"] > 0)) if bad]
+        print("CHECK: " + ("; ".join(wrong) if wrong else
+                           "resident answers, the connector equals it, the control falls"))
+        return 1 if wrong else 0
     return 0
 
 
