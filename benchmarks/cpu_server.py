@@ -279,12 +279,12 @@ def main(argv=None) -> int:
                     help="the connector arm's kv_connector_extra_config (JSON)")
     ap.add_argument("--plot", metavar="JSON", help="draw a committed results file and exit")
     ap.add_argument("--smoke", action="store_true", help="one latency round of 200-token "
-                    "prompts and one 600-token capacity run of 3 requests; exit 1 unless "
+                    "prompts and one 300-token capacity run of 3 requests; exit 1 unless "
                     "every request got all its tokens")
     args = ap.parse_args(argv)
     if args.smoke:
         args.__dict__.update(rounds=1, latency_prompt=200, latency_tokens=16,
-                             latency_kv_bytes=100_000_000, capacity="600:50000000",
+                             latency_kv_bytes=100_000_000, capacity="300:40000000",
                              capacity_tokens=8, requests=3)
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), args.out + ".png")
