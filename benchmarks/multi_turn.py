@@ -3,7 +3,7 @@ prefix hits from host memory, and the connector without them.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR \\
         [--conversations 12 --turns 3 --first-tokens 4000 --turn-tokens 150 --max-tokens 16]
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR --smoke \
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/multi_turn.py --model DIR --smoke \\
         --out /tmp/mt    # CI: 3 short conversations, 2 turns; fails unless tokens equal resident
 
 Every arm runs in its own process with the same KV budget in bytes (the connector's
@@ -184,9 +184,13 @@ def main(argv=None) -> int:
     ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, this process
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.__dict__.update(conversations=3, turns=2, first_tokens=600, turn_tokens=60,
-                             max_tokens=4, max_model_len=800, kv_cache_bytes=100_000_000)
+    if args.smoke:  # its shapes, under any flag given explicitly
+        ap.set_defaults(conversations=3, turns=2, first_tokens=600, turn_tokens=60,
+                        max_tokens=4, max_model_len=800, kv_cache_bytes=100_000_000)
+        args = ap.parse_args(argv)
+        if "resident" not in args.arms:
+            ap.error("--smoke compares every arm with resident serving: keep 'resident' in "
+                     "--arms")
     if args.arm:
         with open(args.result_file, "w") as f:
             json.dump(run_arm(args), f)
@@ -232,7 +236,7 @@ def main(argv=None) -> int:
         plot(result, f"{out}.png")
     if args.smoke:
         off = [f"{r['arm']} turn {r['turn']}" for r in rows
-               if r["same_tokens_as_resident"] not in (None, r["conversations"])]
+               if r["same_tokens_as_resident"] != args.conversations]
         print("CHECK: " + (f"tokens differ from resident serving: {', '.join(off)}" if off
                            else "every arm's tokens equal resident serving's"))
         return 1 if off else 0

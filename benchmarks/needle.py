@@ -219,8 +219,9 @@ def main(argv=None) -> int:
                          "answers it, the connector's tokens and logprobs equal resident's and "
                          "the control does not answer")
     args = ap.parse_args(argv)
-    if args.smoke:
-        args.lengths, args.depths, args.per_cell, args.ablation = [4096], [0.5], 1, False
+    if args.smoke:  # its shapes, under any flag given explicitly
+        ap.set_defaults(lengths=[4096], depths=[0.5], per_cell=1)
+        args = ap.parse_args(argv)
     if args.resident2:
         ARMS["resident2"] = None
     if args.prompts:
@@ -297,7 +298,8 @@ def main(argv=None) -> int:
         json.dump(res, f, indent=1)
     print(json.dumps(res["summary"]))
     plot(res, f"{out}.png")
-    if out.resolve().parent == ledger.RESULTS:  # a run kept in results/ gets its record
+    # a run kept in results/ gets its record; a smoke run is not a result
+    if out.resolve().parent == ledger.RESULTS and not args.smoke:
         ledger.append_from("needle", [f"{out.name}.json", f"{out.name}.png"])
     if args.smoke:
         s = res["summary"]

@@ -2,7 +2,8 @@
 
 DHiSparseConnector serves CUDA on SM90 eagerly and with vLLM's decode graphs, and refuses
 what the in-engine audit has not covered (FULL graphs of mixed batches, a compiled model,
-speculative decoding, SM100; the package's ``integration/support.py`` says why).
+speculative setups other than ngram / DSpark with K <= 3, SM100; the package's
+``integration/support.py`` says why).
 ``unaudited=True`` runs this subclass, outside the package and its config, which lets those
 through so that the scripts can measure and audit them; every other refusal (P/D roles,
 several GPUs, other GPUs) still applies.  Engines name it with

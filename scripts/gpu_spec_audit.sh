@@ -5,7 +5,7 @@
 #   bash scripts/gpu_spec_audit.sh        # from the repo root, in the call after the last part
 #
 # Each run is scripts/gpu_connector.py --arms connector --audit --unaudited (the measuring
-# subclass: the package refuses speculation on CUDA until this passes) over the batch,
+# subclass, which also lets a method the package does not serve yet be audited) over the batch,
 # preempt and abort scenarios; DSpark's drafter replays the committed resident outputs of
 # gpu_connector_2026-12-06_55ddba9.json, so that some drafts are accepted and some are not.
 # Writes $OUT/spec_results.tar.gz (both gpu_connector.json files and logs, drafters left

@@ -13,8 +13,10 @@ without the connector, and test_offline_exact.py's corrupted mapping is the cont
 Timings on CI's CPU mean nothing and are not read.
 """
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,23 +35,33 @@ def test_engine_benchmark_smokes(demo_model, tmp_path):
         "cpu_server": (["--model", demo_model, "--out", str(tmp_path / "cs")],
                        "every request got all its tokens"),
     }
-    procs = {}
-    for name, (args, _) in runs.items():
-        log = open(tmp_path / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen([sys.executable, os.path.join(BENCH, f"{name}.py"),
-                                         "--smoke", *args], stdout=log,
-                                        stderr=subprocess.STDOUT, cwd=tmp_path), log)
-    failed = {}
-    for name, (proc, log) in procs.items():
-        try:
-            rc = proc.wait(timeout=1500)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "timeout"
-        log.close()
-        text = (tmp_path / f"{name}.log").read_text()
-        if rc != 0 or f"CHECK: {runs[name][1]}" not in text:
-            failed[name] = f"rc {rc}\n{text[-3000:]}"
+    procs, failed = {}, {}
+    deadline = time.monotonic() + 1500
+    try:
+        for name, (args, _) in runs.items():
+            with open(tmp_path / f"{name}.log", "w") as log:  # the child keeps its own copy
+                procs[name] = subprocess.Popen(
+                    [sys.executable, os.path.join(BENCH, f"{name}.py"), "--smoke", *args],
+                    stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+        for name, proc in procs.items():
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            text = (tmp_path / f"{name}.log").read_text()
+            if rc != 0 or f"CHECK: {runs[name][1]}" not in text:
+                failed[name] = f"rc {rc}\n{text[-3000:]}"
+    finally:
+        # SIGINT first: cpu_server stops its servers (their own sessions) on the way out
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert not failed, "\n\n".join(f"{k}: {v}" for k, v in failed.items())
     for stem in ("mt", "cs"):
         assert (tmp_path / f"{stem}.json").stat().st_size > 0

