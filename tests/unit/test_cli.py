@@ -51,6 +51,17 @@ def test_serve_spec_preset_becomes_vllms_speculative_config(monkeypatch, tmp_pat
     assert "--port" in args and cli.os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
+def test_serve_spec_preset_on_cuda_keeps_the_drafters_cache_dtype(monkeypatch, tmp_path):
+    import torch
+    drafter = _drafter(tmp_path, "Qwen3DSparkModel")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = served(monkeypatch, ["demo_model", "--spec", "dspark", f"--spec-model={drafter}"])
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "dspark", "model": drafter, "num_speculative_tokens": 3,
+                    "kv_cache_dtype": "auto"}
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--spec", "dspark"], "--spec-model"),
     (["--spec", "eagle", "--spec-model", "X"], "allowed values are ['dflash2', 'dspark']"),

@@ -37,6 +37,9 @@ def test_presets_map_to_vllms_methods(tmp_path):
     dflash2 = SpecPreset("dflash2", drafter(tmp_path, "DFlash2DraftModel"), 3)
     assert dflash2.speculative_config() == {"method": "dflash", "model": dflash2.model,
                                             "num_speculative_tokens": 3}
+    # on CUDA the drafter keeps its own cache dtype, not V4's fp8_ds_mla
+    assert dspark.speculative_config(cuda=True) == {**dspark.speculative_config(),
+                                                    "kv_cache_dtype": "auto"}
 
 
 def test_draft_window_only_when_every_layer_slides():

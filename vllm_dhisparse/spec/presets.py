@@ -78,10 +78,15 @@ class SpecPreset:
     def k_max(self) -> int:
         return 1 + self.num_speculative_tokens
 
-    def speculative_config(self) -> dict[str, Any]:
-        """vLLM's ``speculative_config`` for this preset."""
-        return {"method": SPEC_METHODS[self.method][0], "model": self.model,
-                "num_speculative_tokens": self.num_speculative_tokens}
+    def speculative_config(self, cuda: bool = False) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` for this preset (``cuda``: for vLLM's CUDA engine)."""
+        config = {"method": SPEC_METHODS[self.method][0], "model": self.model,
+                  "num_speculative_tokens": self.num_speculative_tokens}
+        if cuda:
+            # DeepSeek-V4's attention sets the engine's cache dtype to fp8_ds_mla on CUDA; a
+            # Qwen3-style drafter would inherit it, and no drafter attention backend stores it
+            config["kv_cache_dtype"] = "auto"
+        return config
 
 
 def preset_from_vllm(vllm_config: "VllmConfig") -> tuple[str, int, dict | None] | None:

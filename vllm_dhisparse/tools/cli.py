@@ -60,7 +60,9 @@ def spec_args(found: dict[str, str]) -> tuple[list[str], str]:
     except ValueError:
         raise ValueError(f"--spec-tokens {found['--spec-tokens']!r}: must be an integer") from None
     preset = SpecPreset(found["--spec"], found["--spec-model"], k)
-    return ["--speculative-config", json.dumps(preset.speculative_config())], preset.method
+    import torch
+    config = preset.speculative_config(cuda=torch.cuda.is_available())
+    return ["--speculative-config", json.dumps(config)], preset.method
 
 
 def serve(argv: list[str]) -> int:
