@@ -8,9 +8,10 @@
 ``files`` are under ``results/``; ``meta_commit`` (only where present) is the commit a
 result's own metadata named when its file name says otherwise; ``commit_note`` (only where
 present) says that ``commit`` is the one that committed a file naming no commit of its run.
-A benchmark that has an extractor (``ledger_extract.py``) appends its record when it writes its result
-(:func:`append_from`); the README's results table is rendered from the latest record of
-each (benchmark, config) the headlines name, so every number there names its record.
+A benchmark that has an extractor (``ledger_extract.py``) appends its record when it
+writes its result (:func:`append_from`); the README's results table is rendered from the
+latest record of each (benchmark, config) the headlines name, so every number there names
+its record.
 
     python benchmarks/ledger.py --readme    # rewrite README.md's results table
     python benchmarks/ledger.py --check     # exit 1 when README.md's table is not the ledger's

