@@ -87,12 +87,12 @@ def test_speculative_verification_calls_equal_upstreams_in_the_engine(tmp_path, 
     """Speculative decoding with vLLM's GPU defaults (Model Runner V2's speculators; DSpark
     with the demo's drafter, scripts/gpu_spec.py): every verification step routes 1 + K
     queries per request, and every routed decode call, eager or replayed from a FULL graph,
-    equals upstream's decode on vLLM's blocks bit for bit.  The package serves a method on
-    CUDA once this has passed for it (``support.AUDITED_SPEC``); the engine runs the
-    measuring subclass (scripts/gpu_measure.py) so that a method can be audited before
-    that."""
+    equals upstream's decode on vLLM's blocks bit for bit.  The engine runs the package's
+    own connector class, so its start-up check must accept the setup
+    (``support.AUDITED_SPEC``); a method not audited yet is audited with
+    ``gpu_connector.py --unaudited`` (scripts/gpu_measure.py) before it joins that list."""
     extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0}
-    doc = run(tmp_path, "--arms", "connector", "--audit", "--unaudited", "--spec", method,
+    doc = run(tmp_path, "--arms", "connector", "--audit", "--spec", method,
               "--scenarios", "batch,preempt,abort", "--extra", json.dumps(extra))
     arm = doc["arms"]["connector"]
     assert "error" not in arm, arm
