@@ -51,6 +51,9 @@ def facts(doc: dict) -> dict:
     if "audit_serving" in conn:
         out["audit"] = dict(conn["audit_serving"], cudagraph_mode=conn["engine"]["cudagraph_mode"],
                             routed_selected_at_start=conn["routed_selected_at_start"])
+    if doc.get("spec"):
+        out["spec"] = dict(method=doc["spec"], connector_class=doc.get("connector_class"),
+                           **conn.get("spec_counters", {}))
     hb = conn.get("scenarios", {}).get("host_prefix_bytes")
     if hb:
         out["host_prefix_bytes"] = dict(loaded_tokens=hb["loaded_tokens"], **{
