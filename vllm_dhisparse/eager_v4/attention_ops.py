@@ -93,24 +93,28 @@ def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_blo
                                     window_block_size)
         kc, ic, vc = _distinct_rows(compressed_cache_2d, compressed_slots[t0:t1].long(),
                                     compressed_block_size)
-        k = torch.cat([kw, kc], dim=0)  # [U, 512]
+        u = kw.shape[0] + kc.shape[0]
+        if u == 0:
+            out[t0:t1] = 0
+            continue
+        # one zero row after the distinct rows: invalid entries point at it, so the listed
+        # rows need no masked copy (their scores are masked to -inf below)
+        k = torch.cat([kw, kc, kw.new_zeros((1, HEAD_DIM))], dim=0)  # [U + 1, 512]
         inv = torch.cat([iw, ic + kw.shape[0]], dim=1)  # [T, N]
         valid = torch.cat([vw, vc], dim=1)
         any_valid = valid.any(dim=1)
-        if k.shape[0] == 0:
-            out[t0:t1] = 0
-            continue
         # Per token, over its own listed rows only (batched matmuls of fixed per-token
         # shape): a token's result never depends on which other tokens share the call,
         # as with the real per-query kernel.  (Contracting over the chunk's distinct
         # rows instead made results vary with the other tokens' selections.)
-        k_t = k[inv.masked_fill(~valid, 0)]  # [T, N, 512] listed rows (invalid: masked below)
+        listed = inv.masked_fill(~valid, u)  # [T, N]
+        k_t = k.index_select(0, listed.reshape(-1)).view(t, -1, HEAD_DIM)  # [T, N, 512]
         s = torch.bmm(q[t0:t1].float(), k_t.transpose(1, 2)) * float(scale)  # [T, H, N]
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m = torch.maximum(s.amax(dim=-1), sink)  # [T, H]
         p = torch.exp(s - m.unsqueeze(-1))
         denom = p.sum(dim=-1) + torch.exp(sink - m)
-        o = torch.bmm(p, k_t.masked_fill(~valid.unsqueeze(-1), 0.0)) / denom.unsqueeze(-1)
+        o = torch.bmm(p, k_t) / denom.unsqueeze(-1)
         o[~any_valid] = 0.0
         out[t0:t1] = o.to(out.dtype)
 
