@@ -15,6 +15,7 @@ exits 1 on any mismatch.
 
     python benchmarks/gpu_correctness.py                      # H200, < 5 min
     TRITON_INTERPRET=1 python benchmarks/gpu_correctness.py --small --out /tmp/x.json
+    python benchmarks/gpu_correctness.py --smoke              # CI: one configuration, CPU
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_SIZE = 64
 HOST_POOL_GIB = 2.0
+SMOKE_CASE = "k8_K3_N5_2432B"  # --smoke: several queries per request, the widest row
 DIRECT_FRACTIONS = (0.0, 0.25, 0.5, 0.75)  # optional history made direct before call i (tail always)
 
 
@@ -227,12 +230,19 @@ def run_call(setup: Setup, sel, req_slots, resolve, resolve_reference, gather_ro
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI's run: --small with one configuration (K = 3, five requests, "
+                         "the widest row) and its corrupted-tables call, JSON to a temporary file")
     ap.add_argument("--calls", type=int, default=3, help="consecutive calls per configuration")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", default="", help="comma-separated configuration names (default: all)")
     ap.add_argument("--host-pool-gib", type=float, default=HOST_POOL_GIB)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_correctness.json"))
     args = ap.parse_args()
+    if args.smoke:
+        args.small, args.cases = True, args.cases or SMOKE_CASE
+        if args.out == ap.get_default("out"):  # a smoke never replaces the committed result
+            args.out = os.path.join(tempfile.gettempdir(), "gpu_correctness_smoke.json")
 
     cuda = torch.cuda.is_available()
     if not cuda:

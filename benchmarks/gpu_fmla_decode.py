@@ -178,7 +178,7 @@ def decode_case(kernel, cfg, dev) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU run)")
+    ap.add_argument("--small", "--smoke", action="store_true", help="tiny shapes (CPU run; CI runs it)")
     ap.add_argument("--fmla-dir", default=None,
                     help="folder holding vLLM 0.33's FlashMLA (default ./.fmla where it "
                          "exists; without it or without CUDA: the torch reference)")

@@ -566,7 +566,7 @@ def setup(args, cfg: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--small", "--smoke", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--fmla-dir", default=None,
                     help="folder holding vLLM 0.33's vllm/_flashmla_C.abi3.so and "
                          "vllm/third_party/flashmla (default ./.fmla where it exists; "

@@ -1,16 +1,15 @@
-"""The engine benchmarks stay runnable: ``kv_layout``, ``multi_turn`` and ``cpu_server``
-each in its ``--smoke`` mode (tiny shapes), all three at once.
+"""The engine benchmarks stay runnable: ``kv_layout``, ``multi_turn``, ``cpu_server`` and
+``needle`` each in its ``--smoke`` mode (tiny shapes), all four at once.
 
-They start vLLM (two engines, three engines, four servers), and ``cpu_server``'s servers
-use one core each and wait on their starts much of the time, so running them side by side
-costs about the longest of them.  Each smoke checks something and exits 1 when it does not
-hold: ``kv_layout`` its layout against the ledger's latest result (strides and groups,
-exact: vLLM's bookkeeping, not a timing), ``multi_turn`` every arm's tokens against
-resident serving's, ``cpu_server`` that every request got all its tokens.  ``needle
---smoke`` (three engines of a 4K-token prompt, two 2-core CPU minutes more) is left out
-for the suite's time: test_demo.py asks the same trained model for its pass key with and
-without the connector, and test_offline_exact.py's corrupted mapping is the control.
-Timings on CI's CPU mean nothing and are not read.
+They start vLLM (two engines, three engines, four servers, three engines), and
+``cpu_server``'s servers use one core each and wait on their starts much of the time, so
+running them side by side costs less than one after another.  Each smoke checks something
+and exits 1 when it does not hold: ``kv_layout`` its layout against the ledger's latest
+result (strides and groups, exact: vLLM's bookkeeping, not a timing), ``multi_turn`` every
+arm's tokens against resident serving's, ``cpu_server`` that every request got all its
+tokens, ``needle`` that resident serving answers a 4K-token pass-key prompt, the
+connector's tokens and logprobs equal resident's and the scrambled-map control does not
+answer.  Timings on CI's CPU mean nothing and are not read.
 """
 import os
 import signal
@@ -34,6 +33,8 @@ def test_engine_benchmark_smokes(demo_model, tmp_path):
                        "every arm's tokens equal resident serving's"),
         "cpu_server": (["--model", demo_model, "--out", str(tmp_path / "cs")],
                        "every request got all its tokens"),
+        "needle": (["--out", str(tmp_path / "needle" / "n")],
+                   "resident answers, the connector equals it, the control falls"),
     }
     procs, failed = {}, {}
     deadline = time.monotonic() + 1500
@@ -63,6 +64,6 @@ def test_engine_benchmark_smokes(demo_model, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert not failed, "\n\n".join(f"{k}: {v}" for k, v in failed.items())
-    for stem in ("mt", "cs"):
+    for stem in ("mt", "cs", "needle/n"):
         assert (tmp_path / f"{stem}.json").stat().st_size > 0
         assert (tmp_path / f"{stem}.png").stat().st_size > 0

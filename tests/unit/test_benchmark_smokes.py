@@ -20,6 +20,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
     # every resolve variant on the smaller SGLang cell and the no-miss cells
     ("tune_resolve.py", ["--batches", "2", "--out", "{tmp}"], "FAILURES: none"),
     ("tune_chunks.py", ["{tmp}/c.json"], "CORRECTNESS: every variant matches"),
+    # the GPU one's resolve + gather checks at tiny sizes, one configuration and its
+    # corrupted-tables call (gpu_fmla_decode / gpu_fmla_routed: test_fmla_*.py run --small)
+    ("gpu_correctness.py", ["--out", "{tmp}/gc.json"], "1/1 configurations passed"),
 ])
 def test_smoke_mode_runs_and_checks(tmp_path, script, args, says):
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
