@@ -15,7 +15,7 @@ exits 1 on any mismatch.
 
     python benchmarks/gpu_correctness.py                      # H200, < 5 min
     TRITON_INTERPRET=1 python benchmarks/gpu_correctness.py --small --out /tmp/x.json
-    python benchmarks/gpu_correctness.py --smoke              # CI: one configuration, CPU
+    python benchmarks/gpu_correctness.py --smoke              # CI (CPU): one configuration
 """
 from __future__ import annotations
 
@@ -241,7 +241,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.small, args.cases = True, args.cases or SMOKE_CASE
-        if args.out == ap.get_default("out"):  # a smoke never replaces the committed result
+        # a smoke's file stays out of results/ (every file there is named by the ledger)
+        if args.out == ap.get_default("out"):
             args.out = os.path.join(tempfile.gettempdir(), "gpu_correctness_smoke.json")
 
     cuda = torch.cuda.is_available()

@@ -8,7 +8,8 @@ Reads every test's outcome and time from the JUnit files and, from each test's
 ``gpu_connector.json`` (``scripts/gpu_connector.py`` writes one per test under pytest's
 temporary folder), the numbers its assertions are about: resident against itself and the
 connector against resident, the host share of selections, the routed-decode audit, the
-host prefix byte comparison.  A test run split over several calls (one call's time limit)
+host prefix byte comparison, a speculative test's method, vLLM's draft counters and the
+connector class its command named.  A test run split over several calls (one call's time limit)
 passes several JUnit files and folders.
 """
 from __future__ import annotations

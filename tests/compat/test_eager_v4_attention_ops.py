@@ -260,6 +260,30 @@ def test_flash_mla_depends_only_on_referenced_rows():
     assert not torch.equal(o1[2], o0[2])
 
 
+def test_flash_mla_invalid_entries_read_no_row():
+    """An entry out of range (-1, or past the cache) contributes nothing, whatever the
+    chunk's other rows hold: with NaN bytes in the chunk's first listed row (another
+    token's), a token that does not list it stays finite and equals a call without it."""
+    g = gen(5)
+    t, h, bs = 3, 2, 4
+    wc = build_ds_mla_cache(4, bs, 21)
+    wc[0, :448] = 0x7F  # slot 0's nope bytes: fp8 e4m3 NaN
+    q = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
+    ws = torch.tensor([[0, 2, -1], [5, -1, 99], [-1, -1, -1]])
+    sink = torch.zeros(h)
+
+    def run(slots):
+        o = torch.empty(t, h, 512, dtype=torch.bfloat16)
+        A.flash_mla_with_kvcache_cpu(o, q, wc, slots, bs, wc, slots[:, :0], 1, sink, 0.05)
+        return o
+
+    got = run(ws)
+    assert torch.isnan(got[0].float()).any() and torch.isfinite(got[1].float()).all()
+    assert (got[2] == 0).all()  # no valid entry: zeros
+    alone = run(torch.tensor([[3, 2, -1], [5, -1, 99], [-1, -1, -1]]))
+    assert torch.equal(got[1], alone[1])
+
+
 # ---------------------------------------------------------------- compressor
 def ref_pool(state, slots, ratio, hd):
     """float64 per-channel softmax pool (loops)."""

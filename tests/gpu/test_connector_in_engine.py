@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from vllm_dhisparse.integration.support import AUDITED_SPEC
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "gpu_connector.py")
 
@@ -82,7 +84,7 @@ def test_a_host_prefix_hit_loads_the_bytes_vllm_computed(tmp_path):
     assert scen["host_prefix"]["host_prefix"]["tokens_loaded"] > 0, scen["host_prefix"]
 
 
-@pytest.mark.parametrize("method", ["ngram", "dspark"])
+@pytest.mark.parametrize("method", AUDITED_SPEC)
 def test_speculative_verification_calls_equal_upstreams_in_the_engine(tmp_path, method):
     """Speculative decoding with vLLM's GPU defaults (Model Runner V2's speculators; DSpark
     with the demo's drafter, scripts/gpu_spec.py): every verification step routes 1 + K
@@ -104,3 +106,5 @@ def test_speculative_verification_calls_equal_upstreams_in_the_engine(tmp_path, 
     # vLLM also classes as a decode, fewer): on average far more than one per call
     assert audit["tokens"] >= 2 * audit["calls"], audit
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == 3 * spec["num_drafts"], spec
+    # drafts both accepted and rejected went through verification
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec

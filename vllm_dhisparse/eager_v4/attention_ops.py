@@ -108,7 +108,8 @@ def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_blo
         # as with the real per-query kernel.  (Contracting over the chunk's distinct
         # rows instead made results vary with the other tokens' selections.)
         listed = inv.masked_fill(~valid, u)  # [T, N]
-        k_t = k.index_select(0, listed.reshape(-1)).view(t, -1, HEAD_DIM)  # [T, N, 512]
+        k_t = k.index_select(0, listed.reshape(-1)).view(t, listed.shape[1], HEAD_DIM)
+        # k_t: [T, N, 512] each token's listed rows in its list's order
         s = torch.bmm(q[t0:t1].float(), k_t.transpose(1, 2)) * float(scale)  # [T, H, N]
         s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m = torch.maximum(s.amax(dim=-1), sink)  # [T, H]
