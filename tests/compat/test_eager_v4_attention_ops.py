@@ -236,18 +236,23 @@ def test_flash_mla_matches_explicit_softmax_with_sink():
     torch.testing.assert_close(out2.double(), ref2, atol=2e-2, rtol=2e-2)
 
 
+def swa_only(q, cache, slots, bs):
+    """The attention over window rows only (no compressed columns), zero sinks."""
+    o = torch.empty(q.shape, dtype=torch.bfloat16)
+    A.flash_mla_with_kvcache_cpu(o, q, cache, slots, bs, cache, slots[:, :0], 1,
+                                 torch.zeros(q.shape[1]), 0.05)
+    return o
+
+
 def test_flash_mla_depends_only_on_referenced_rows():
     g = gen(4)
     t, h, bs = 3, 2, 4
     wc = build_ds_mla_cache(4, bs, 20)
     q = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
     ws = torch.tensor([[0, 1, -1], [4, 5, 6], [1, 6, -1]])
-    sink = torch.zeros(h)
 
     def run(cache):
-        o = torch.empty(t, h, 512, dtype=torch.bfloat16)
-        A.flash_mla_with_kvcache_cpu(o, q, cache, ws, bs, cache, ws[:, :0], 1, sink, 0.05)
-        return o
+        return swa_only(q, cache, ws, bs)
 
     o0 = run(wc)
     other = wc.clone()
@@ -270,17 +275,10 @@ def test_flash_mla_invalid_entries_read_no_row():
     wc[0, :448] = 0x7F  # slot 0's nope bytes: fp8 e4m3 NaN
     q = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
     ws = torch.tensor([[0, 2, -1], [5, -1, 99], [-1, -1, -1]])
-    sink = torch.zeros(h)
-
-    def run(slots):
-        o = torch.empty(t, h, 512, dtype=torch.bfloat16)
-        A.flash_mla_with_kvcache_cpu(o, q, wc, slots, bs, wc, slots[:, :0], 1, sink, 0.05)
-        return o
-
-    got = run(ws)
+    got = swa_only(q, wc, ws, bs)
     assert torch.isnan(got[0].float()).any() and torch.isfinite(got[1].float()).all()
     assert (got[2] == 0).all()  # no valid entry: zeros
-    alone = run(torch.tensor([[3, 2, -1], [5, -1, 99], [-1, -1, -1]]))
+    alone = swa_only(q, wc, torch.tensor([[3, 2, -1], [5, -1, 99], [-1, -1, -1]]), bs)
     assert torch.equal(got[1], alone[1])
 
 
