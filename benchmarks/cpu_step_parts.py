@@ -1,6 +1,7 @@
 """Where a decode step's time goes on CPU, resident serving against the connector.
 
     python benchmarks/cpu_step_parts.py --out benchmarks/results/cpu_step_parts
+    python benchmarks/cpu_step_parts.py --smoke   # CI: short run, every committed part timed
 
 Each arm runs ``harness.offline_run`` (one request, ``--prompt-len``
 tokens, ``--max-tokens`` greedy tokens) in its own process with vLLM's engine in that
@@ -93,6 +94,10 @@ def run_arm(argv: list[str], out: str) -> None:
             lambda self, q, *a, label=label: f"{label} c{self.compress_ratio} "
                                              f"{'T=1' if q.shape[0] == 1 else 'T>1'}"))
     import torch
+    import vllm._custom_ops  # noqa: F401  (vLLM's own library first, as the plugin loads it)
+
+    from vllm_dhisparse.eager_v4 import register_missing_ops
+    register_missing_ops()  # without AVX512-BF16 the op is the package's eager one
     ns = torch.ops._C  # the CPU attention op, called by both layers
     op = ns.flash_mla_with_kvcache_cpu
     setattr(ns, "flash_mla_with_kvcache_cpu",
@@ -144,11 +149,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--connector", default='{"hot_cache_rows": 512, "stats_file": ""}',
                     help="the connector arm's kv_connector_extra_config (JSON)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a 600-token prompt and 4 tokens; checks that each arm timed every "
+                         "part the ledger's latest result timed (results to a temp folder)")
     ap.add_argument("--arm-child", nargs=2, metavar=("SAMPLES", "ARGS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.arm_child:
         run_arm(json.loads(args.arm_child[1]), args.arm_child[0])
         return 0
+    if args.smoke:  # explicit flags still win over the smoke's shape
+        ap.set_defaults(prompt_len=600, max_tokens=4,
+                        out=os.path.join(tempfile.mkdtemp(prefix="step-parts-"), "smoke"))
+        args = ap.parse_args(argv)
     if not args.out:
         ap.error("--out is required")
     if not os.path.isdir(args.model):
@@ -190,7 +202,24 @@ def main(argv=None) -> int:
         print(f"{k:45s} {r['median_ms'] if r else float('nan'):10.3f} "
               f"{c['median_ms'] if c else float('nan'):10.3f}")
     print(f"wrote {args.out}.json, {args.out}.png")
+    if args.smoke:
+        missing = smoke_check(arms)
+        print("CHECK: " + ("; ".join(missing) if missing else
+                           "every part of the ledger's latest result was timed"))
+        return 1 if missing else 0
     return 0
+
+
+def smoke_check(arms: dict) -> list[str]:
+    """The parts the ledger's latest result timed that an arm of this run did not: a part
+    that stopped being called, or a method that moved (its timer then wraps nothing)."""
+    from benchmarks import ledger
+    rec = ledger.latest(ledger.load())[("cpu_step_parts", "cpu")]
+    with open(ledger.RESULTS / rec["files"][0]) as f:
+        committed = json.load(f)["arms"]
+    return [f"{arm}: {', '.join(sorted(set(committed[arm]) - set(arms[arm])))} "
+            f"(timed in {rec['files'][0]})"
+            for arm in ("resident", "connector") if set(committed[arm]) - set(arms[arm])]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""The engine benchmarks stay runnable: ``kv_layout``, ``multi_turn``, ``cpu_server`` and
-``needle`` each in its ``--smoke`` mode (tiny shapes), all four at once.
+"""The engine benchmarks stay runnable: ``kv_layout``, ``multi_turn``, ``cpu_server``,
+``needle`` and ``cpu_step_parts`` each in its ``--smoke`` mode (tiny shapes), all at once.
 
-They start vLLM (two engines, three engines, four servers, three engines), and
+They start vLLM (two engines, three engines, four servers, three engines, two), and
 ``cpu_server``'s servers use one core each and wait on their starts much of the time, so
 running them side by side costs less than one after another.  Each smoke checks something
 and exits 1 when it does not hold: ``kv_layout`` its layout against the ledger's latest
@@ -9,7 +9,8 @@ result (strides and groups, exact: vLLM's bookkeeping, not a timing), ``multi_tu
 arm's tokens against resident serving's, ``cpu_server`` that every request got all its
 tokens, ``needle`` that resident serving answers a 4K-token pass-key prompt, the
 connector's tokens and logprobs equal resident's and the scrambled-map control does not
-answer.  Timings on CI's CPU mean nothing and are not read.
+answer, ``cpu_step_parts`` that each arm timed every part the ledger's latest result timed
+(a part no longer called, or a method that moved, fails it).  Timings on CI's CPU mean nothing and are not read.
 """
 import os
 import signal
@@ -35,6 +36,8 @@ def test_engine_benchmark_smokes(demo_model, tmp_path):
                        "every request got all its tokens"),
         "needle": (["--out", str(tmp_path / "needle" / "n")],
                    "resident answers, the connector equals it, the control falls"),
+        "cpu_step_parts": (["--model", demo_model],
+                           "every part of the ledger's latest result was timed"),
     }
     procs, failed = {}, {}
     deadline = time.monotonic() + 1500
