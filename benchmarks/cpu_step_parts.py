@@ -214,9 +214,8 @@ def smoke_check(arms: dict) -> list[str]:
     """The parts the ledger's latest result timed that an arm of this run did not: a part
     that stopped being called, or a method that moved (its timer then wraps nothing)."""
     from benchmarks import ledger
-    rec = ledger.latest(ledger.load())[("cpu_step_parts", "cpu")]
-    with open(ledger.RESULTS / rec["files"][0]) as f:
-        committed = json.load(f)["arms"]
+    rec, doc = ledger.latest_result("cpu_step_parts", "cpu")
+    committed = doc["arms"]
     return [f"{arm}: {', '.join(sorted(set(committed[arm]) - set(arms[arm])))} "
             f"(timed in {rec['files'][0]})"
             for arm in ("resident", "connector") if set(committed[arm]) - set(arms[arm])]

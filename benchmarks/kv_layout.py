@@ -78,14 +78,13 @@ def smoke_check(shape: dict, name: str) -> list[str]:
     benchmark: its headline ratio and, from the record's file, each arm's strides and groups.
     The layout is vLLM's and the connector's bookkeeping, not a timing: equal or wrong."""
     from benchmarks import ledger
-    rec = ledger.latest(ledger.load())[("kv_layout", "cpu")]
+    rec, doc = ledger.latest_result("kv_layout", "cpu")
     problems = []
     key = f"most_sessions_ratio_{name}"
     if rec["metrics"].get(key) != shape["most_sessions_ratio"]:
         problems.append(f"{key}: {shape['most_sessions_ratio']} here, "
                         f"{rec['metrics'].get(key)} in the ledger ({rec['files'][0]})")
-    with open(ledger.RESULTS / rec["files"][0]) as f:
-        committed = json.load(f)["shapes"][name]
+    committed = doc["shapes"][name]
     for arm in ("resident", "connector"):
         got, want = layout(shape[arm]), layout(committed[arm])
         if got != want:

@@ -113,6 +113,13 @@ def latest(records: list[dict]) -> dict[tuple[str, str], dict]:
     return out
 
 
+def latest_result(benchmark: str, config: str) -> tuple[dict, dict]:
+    """The newest record of (benchmark, config) and the JSON of its first file, which
+    smoke checks hold a fresh run to."""
+    rec = latest(load())[(benchmark, config)]
+    return rec, json.loads((RESULTS / rec["files"][0]).read_text())
+
+
 # -- the README's table ---------------------------------------------------------------------
 # claim, (benchmark, config), what the number says (str.format over the metrics)
 HEADLINES = (

@@ -10,7 +10,8 @@ arm's tokens against resident serving's, ``cpu_server`` that every request got a
 tokens, ``needle`` that resident serving answers a 4K-token pass-key prompt, the
 connector's tokens and logprobs equal resident's and the scrambled-map control does not
 answer, ``cpu_step_parts`` that each arm timed every part the ledger's latest result timed
-(a part no longer called, or a method that moved, fails it).  Timings on CI's CPU mean nothing and are not read.
+(a part no longer called, or a method that moved, fails it).  Timings on CI's CPU mean
+nothing and are not read.
 """
 import os
 import signal
