@@ -508,9 +508,10 @@ def new_figure(n_panels: int, title: str, meta: dict):
     return fig, axes[0]
 
 
-def save_figure(fig, name: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.png"
+def save_figure(fig, name: str, path: str | Path | None = None) -> Path:
+    """``fig`` as ``results/<name>.png``, or at ``path``."""
+    path = Path(path) if path else RESULTS / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -2,6 +2,7 @@
 
     VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
         python benchmarks/spec_memory.py --model demo_model      # CPU, ~2 min
+    ... spec_memory.py --model demo_model --smoke --out /tmp/sm  # CI: one 800-token prompt
 
 Two arms on the demo model with the seeded DFlash2 drafter (window 128, K = 3;
 vllm_dhisparse/demo_build/drafters.py), four concurrent requests of 600-7000 tokens: vLLM
@@ -11,7 +12,10 @@ block tables after every engine step (offline_run): the most draft blocks one re
 held at any step (prefill included) and in decode, times the draft layers' page bytes;
 from the connector's stats: R_d (eq. 9) and the staging arenas' bytes next to their
 bound M_stage (eq. 11, chi = 1).  Next to them, the paper's Table 1 method
-for the same shape: R_d x draft row bytes.  Memory is counted, not timed, so the CPU
+for the same shape: R_d x draft row bytes.  ``--smoke`` (one 800-token prompt, 4 output
+tokens) also exits 1 unless the ring holds at most R_d / p blocks per
+request at every decode step (and in prefill, where the ring bounds prefill) and the
+staging arenas stay within M_stage.  Memory is counted, not timed, so the CPU
 engine gives the same numbers a GPU would for this model.
 """
 from __future__ import annotations
@@ -30,6 +34,8 @@ import common as C  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["--prompt-lens", "600", "2000", "4000", "7000", "--max-tokens", "24",
            "--repeat-prompt", "--seed", "2"]
+SMOKE_PROMPTS = ["--prompt-lens", "800", "--max-tokens", "4", "--repeat-prompt",
+                 "--seed", "2"]
 HIER = {"hot_cache_rows": 512, "optional_residency": False, "spec": "dflash2"}
 K, WINDOW = 3, 128
 
@@ -58,14 +64,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the demo model directory")
     ap.add_argument("--name", default="spec_memory")
+    ap.add_argument("--out", default=None, help="result path without suffix (default: "
+                    "benchmarks/results/NAME)")
+    ap.add_argument("--smoke", action="store_true", help="one 800-token prompt; exit 1 unless "
+                    "the arms' tokens are equal and the ring and staging bounds hold")
     args = ap.parse_args(argv)
+    prompts = SMOKE_PROMPTS if args.smoke else PROMPTS
     drafter = os.path.join(tempfile.mkdtemp(prefix="dhisparse-drafter-"), "dflash2")
     subprocess.run([sys.executable, "-m", "vllm_dhisparse.demo_build.drafters", "dflash2",
                     "--target", args.model, "--out", drafter, "--k", str(K),
                     "--window", str(WINDOW)], check=True, capture_output=True)
     spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": K})
-    resident = offline(args.model, *PROMPTS, "--spec", spec)
-    hier = offline(args.model, *PROMPTS, "--spec", spec, "--connector", json.dumps(HIER))
+    resident = offline(args.model, *prompts, "--spec", spec)
+    hier = offline(args.model, *prompts, "--spec", spec, "--connector", json.dumps(HIER))
     same = [a["token_ids"] == b["token_ids"] for a, b in zip(resident["outputs"], hier["outputs"])]
     if not all(same):
         print(f"CHECK FAILED: greedy tokens differ between the arms: {same}")
@@ -75,13 +86,13 @@ def main(argv=None) -> int:
     ours, alone = draft_group(hier, ring_layer), draft_group(resident, ring_layer)
     row_bytes = ours["page_bytes"] // ours["block_size"]  # draft KV per token, all draft layers
     table1 = sizes["draft_ring_rows"] * row_bytes
-    out = dict(meta=C.metadata(), config=dict(prompts=PROMPTS, k=K, window=WINDOW, hier=HIER),
+    out = dict(meta=C.metadata(), config=dict(prompts=prompts, k=K, window=WINDOW, hier=HIER),
                check=dict(same_tokens=same), spec_sizes=sizes,
                draft_kv=dict(resident=alone, hierarchy=ours, draft_row_bytes=row_bytes,
                              table1_ring_bytes=table1),
                staging=dict(reserved_bytes=sizes["staging_reserved_bytes"],
                             bound_bytes=sizes["staging_bound_bytes"]))
-    C.write_json(args.name, out)
+    C.write_json(args.name, out, args.out and f"{args.out}.json")
     print(f"draft KV per session, most at any step: vLLM alone {alone['blocks_any_step']} blocks "
           f"({C.fmt_bytes(alone['bytes_any_step'])}), draft ring {ours['blocks_any_step']} blocks "
           f"({C.fmt_bytes(ours['bytes_any_step'])}); Table 1 method R_d x row = "
@@ -99,8 +110,28 @@ def main(argv=None) -> int:
           color=["gray", "tab:blue", "tab:cyan", "tab:orange", "tab:red"])
     a.set_xticks(range(len(values)), labels, fontsize=7)
     a.set_ylabel("MiB")
-    C.save_figure(fig, args.name)
+    C.save_figure(fig, args.name, args.out and f"{args.out}.png")
+    if args.smoke:
+        return smoke_check(ours, sizes)
     return 0
+
+
+def smoke_check(ring: dict, sizes: dict) -> int:
+    """The ring's bound (eq. 9) at every decode step, and in prefill where the ring bounds
+    prefill (no prefix caching); the staging arenas within M_stage (eq. 11)."""
+    off = []
+    if not 0 < ring["blocks_decode"] <= sizes["draft_ring_blocks"]:
+        off.append(f"{ring['blocks_decode']} draft blocks held in decode, ring bound "
+                   f"{sizes['draft_ring_blocks']}")
+    if sizes["draft_ring_bounds_prefill"] and ring["blocks_any_step"] > sizes["draft_ring_blocks"]:
+        off.append(f"{ring['blocks_any_step']} draft blocks held at some step, ring bound "
+                   f"{sizes['draft_ring_blocks']}")
+    if not 0 < sizes["staging_reserved_bytes"] <= sizes["staging_bound_bytes"]:
+        off.append(f"staging reserved {sizes['staging_reserved_bytes']} B, M_stage "
+                   f"{sizes['staging_bound_bytes']} B")
+    print("CHECK: " + ("; ".join(off) if off else
+                       "tokens equal, the draft ring and staging within their bounds"))
+    return 1 if off else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The engine benchmarks stay runnable: ``kv_layout``, ``multi_turn``, ``cpu_server``,
-``needle`` and ``cpu_step_parts`` each in its ``--smoke`` mode (tiny shapes), all at once.
+``needle``, ``cpu_step_parts`` and ``spec_memory`` each in its ``--smoke`` mode (tiny
+shapes), all at once.
 
-They start vLLM (two engines, three engines, four servers, three engines, two), and
+They start vLLM (two engines, three engines, four servers, three engines, two, two), and
 ``cpu_server``'s servers use one core each and wait on their starts much of the time, so
 running them side by side costs less than one after another.  Each smoke checks something
 and exits 1 when it does not hold: ``kv_layout`` its layout against the ledger's latest
@@ -10,7 +11,9 @@ arm's tokens against resident serving's, ``cpu_server`` that every request got a
 tokens, ``needle`` that resident serving answers a 4K-token pass-key prompt, the
 connector's tokens and logprobs equal resident's and the scrambled-map control does not
 answer, ``cpu_step_parts`` that each arm timed every part the ledger's latest result timed
-(a part no longer called, or a method that moved, fails it).  Timings on CI's CPU mean
+(a part no longer called, or a method that moved, fails it), ``spec_memory`` that DFlash2
+with the hierarchy gives resident's tokens, its draft ring holds at most R_d / p blocks per
+request and its staging stays within M_stage.  Timings on CI's CPU mean
 nothing and are not read.
 """
 import os
@@ -39,6 +42,8 @@ def test_engine_benchmark_smokes(demo_model, tmp_path):
                    "resident answers, the connector equals it, the control falls"),
         "cpu_step_parts": (["--model", demo_model],
                            "every part of the ledger's latest result was timed"),
+        "spec_memory": (["--model", demo_model, "--out", str(tmp_path / "sm")],
+                        "tokens equal, the draft ring and staging within their bounds"),
     }
     procs, failed = {}, {}
     deadline = time.monotonic() + 1500
@@ -68,6 +73,6 @@ def test_engine_benchmark_smokes(demo_model, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert not failed, "\n\n".join(f"{k}: {v}" for k, v in failed.items())
-    for stem in ("mt", "cs", "needle/n"):
+    for stem in ("mt", "cs", "needle/n", "sm"):
         assert (tmp_path / f"{stem}.json").stat().st_size > 0
         assert (tmp_path / f"{stem}.png").stat().st_size > 0
