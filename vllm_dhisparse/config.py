@@ -34,6 +34,10 @@ _FIELDS: dict[str, tuple[type, Any, Any, str]] = {
     "eager_backup": (bool, False, None, "back up imported history at admission instead of deferring it"),
     "device_window_tokens": (int, 512, 0, "c4a tokens vLLM keeps on device behind the newest processed "
                              "one (older blocks are freed; the hierarchy serves them); 0 = keep all"),
+    "history_block_tokens": (int, 0, 0, "tokens per vLLM block of the history vLLM keeps whole on "
+                             "device (indexer keys, c128a rows), a multiple of 256; wider blocks "
+                             "cost fewer block strides per token of history (docs/capacity.md); "
+                             "prefix hits then come in these steps; 0 = vLLM's block size"),
     "device_pool_pages": (int, 0, 0, "device pages per source for the hierarchy (required + optional), "
                           "counted inside vLLM's KV budget; 0 = auto: what max_num_seqs running "
                           "requests require, plus one hot cache of optional history each"),
@@ -86,6 +90,7 @@ class DHiSparseConfig:
     optional_residency: bool = True
     eager_backup: bool = False
     device_window_tokens: int = 512
+    history_block_tokens: int = 0
     device_pool_pages: int = 0
     staging_arenas: int = 1
     resolver_backend: str = "auto"
@@ -129,6 +134,10 @@ class DHiSparseConfig:
             raise ValueError(f"kv_connector_extra_config['device_window_tokens'] = "
                              f"{self.device_window_tokens}: must be 0 (keep all) or >= 256 (one "
                              f"vLLM block), so the rows of the last step stay readable")
+        if self.history_block_tokens % 256:
+            raise ValueError(f"kv_connector_extra_config['history_block_tokens'] = "
+                             f"{self.history_block_tokens}: must be 0 (vLLM's block size) or a "
+                             f"multiple of 256 (DeepSeek-V4's kernel block)")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "DHiSparseConfig":

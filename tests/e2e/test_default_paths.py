@@ -13,6 +13,10 @@ optional residency off) and the default 512-token device window.
   batch); every prompt is prefilled in chunks.  (vLLM's hits on this model land
   on the other prompt's last full 256-token block, 2816 here, so r3 shares
   more than that.)
+* the same prefix batch with the history vLLM keeps whole (indexer keys, c128a) in
+  1,024-token blocks (``history_block_tokens``): hits come in 1,024-token steps (2048
+  where resident serving hits 2816), so the connector computes more of each prompt, and
+  tokens and logprobs still equal resident serving's.
 * preemption + chunked re-prefill (700-token budget, not block-aligned, no
   prefix cache so the re-prefill is chunked too): r0 is preempted right after
   its prefill, r1 in the middle of its decode, through vLLM's own preemption
@@ -48,6 +52,12 @@ def prefix_runs(demo_model):
 
 
 @pytest.fixture(scope="module")
+def wide_history_run(demo_model):
+    return run_offline(demo_model, *PREFIX, "--connector",
+                       json.dumps({**HIER, "history_block_tokens": 1024}))
+
+
+@pytest.fixture(scope="module")
 def preempt_runs(demo_model):
     return both_arms(demo_model, PREEMPT, resolver_backend="triton")
 
@@ -62,6 +72,22 @@ def test_prefix_hits_and_chunked_prefill_exact(prefix_runs):
         assert cached[3] >= 2816, cached  # r2's prefix, while r2 is in the batch
     assert [o["num_cached_tokens"] for o in got["outputs"]] == \
         [o["num_cached_tokens"] for o in resident["outputs"]]
+    assert_same_outputs(got, resident)
+    t = got["stats"]["totals"]
+    assert t["admissions"] == 4 and t["failed"] == 0 and t["host"] > 0, t
+
+
+def test_history_in_wider_blocks_exact_with_prefix_hits_in_their_steps(prefix_runs,
+                                                                       wide_history_run):
+    resident, got = prefix_runs[0], wide_history_run
+    assert got["prefix_caching"] and got["chunked_prefill"], got
+    groups = [(g["spec"], g["block_size"]) for g in got["kv_groups"]]
+    history = groups.index(("MLAAttentionSpec", 1024))  # indexer keys + c128a
+    assert ("DHiSparseCompressedSpec", 256) in groups, groups
+    # a request of 3000 + 6 tokens holds 3 history blocks (12 at vLLM's 256)
+    assert got["max_decode_blocks_per_group"][history] == 3, got["max_decode_blocks_per_group"]
+    cached = [o["num_cached_tokens"] for o in got["outputs"]]
+    assert cached == [0, 2048, 0, 2048], cached  # resident: 2816 for r1 and r3
     assert_same_outputs(got, resident)
     t = got["stats"]["totals"]
     assert t["admissions"] == 4 and t["failed"] == 0 and t["host"] > 0, t

@@ -172,3 +172,35 @@ def test_the_connector_and_its_subclasses_are_recognised(name, module, ours):
     ktc = KVTransferConfig(kv_connector=name, kv_role="kv_both",
                            kv_connector_module_path=module)
     assert uses_connector(ktc) is ours
+
+
+def wide(extra=None, **kw):
+    """An engine config running DHiSparseConnector with history in 1,024-token blocks."""
+    cfg = config(extra={"history_block_tokens": 1024, **(extra or {})}, **kw)
+    cfg.kv_transfer_config.kv_connector = "DHiSparseConnector"
+    cfg.kv_transfer_config.kv_connector_module_path = None
+    return cfg
+
+
+def test_wider_history_blocks_are_served_on_cpu_alone():
+    check_supported(wide(), Platform(True, "cpu"))
+    check_supported(wide(budget=1024, chunked_prefill=True), Platform(True, "cpu"))
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    (wide(role="kv_consumer"), r"history_block_tokens 1024 with kv_role 'kv_consumer'"),
+    (wide(spec=spec("ngram")), r"history_block_tokens 1024 with speculative decoding"),
+    (wide(extra={"host_prefix_gib": 1.0}), r"history_block_tokens 1024 with host_prefix_gib"),
+])
+def test_wider_history_blocks_with_what_has_not_run_are_refused_everywhere(cfg, needle):
+    for platform in (Platform(True, "cpu"), H200):
+        with pytest.raises(ValueError, match="DHiSparseConnector: " + needle + r".*Drop "
+                                             r"history_block_tokens"):
+            check_supported(cfg, platform, unaudited=True)
+
+
+def test_wider_history_blocks_are_refused_on_cuda_until_they_have_run_there():
+    with pytest.raises(ValueError, match=r"history_block_tokens 1024 has not run inside "
+                                         r"vLLM's CUDA engine"):
+        check_supported(wide(), H200)
+    check_supported(wide(), H200, unaudited=True)  # the measuring scripts may

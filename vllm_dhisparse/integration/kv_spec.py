@@ -65,6 +65,10 @@ def check() -> None:
            ("request_id", "processed_computed_tokens", "num_prompt_tokens"), exact=True)
     expect(f"{base}.pop_blocks_for_free", ("request_id",), exact=True)
     expect(f"{base}._remove_blocks_in_range", ("request_id", "first_block"))
+    # history_block_tokens: wider blocks over the backends' kernel blocks
+    expect("vllm.v1.kv_cache_interface:MLAAttentionSpec.block_stride_alignment")
+    expect("vllm.v1.kv_cache_interface:MLAAttentionSpec.state_content_size_bytes")
+    expect("vllm.v1.worker.utils:AttentionGroup.map_kv_cache_to_kernel_blocks", ("kv_cache",))
 
 
 def check_instance(manager, more: tuple[str, ...] = ()) -> None:
@@ -141,6 +145,36 @@ def windowed(spec, vllm_config):
     fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
     fields.update(device_window_tokens=window, dcp_sharded=False)
     return DHiSparseCompressedSpec(**fields)
+
+
+def history_widened(spec, vllm_config):
+    """The KV cache spec of a layer whose history vLLM keeps whole on device (the indexer's
+    keys, a c128a cache), in blocks of ``history_block_tokens`` when that is wider.
+
+    Every block id costs the pool's stride in every group (the widest group's bytes per
+    block), so with the c4a caches windowed, history in 256-token blocks still costs a
+    whole stride per 256 tokens; in wider blocks it costs one per ``history_block_tokens``.
+    The backends keep their 256-token kernel blocks: vLLM maps them inside the wider
+    blocks (``AttentionGroup.map_kv_cache_to_kernel_blocks``), which needs the stride to be
+    a whole number of kernel pages of ``rows x row bytes``.  vLLM's own alignment for a
+    fixed kernel block counts the page padded to 576 B instead (8,640 B, not 8,448 B, for
+    the indexer), so the alignment is set here to the rows' bytes, as vLLM's
+    ``align_blocks_to_rows`` does for sparse kernels."""
+    wide = _history_block_from_config(vllm_config)
+    if spec is None or type(spec) is not MLAAttentionSpec or wide <= spec.block_size:
+        return spec
+    if wide % spec.block_size:
+        raise ValueError(f"kv_connector_extra_config['history_block_tokens'] = {wide}: must "
+                         f"be a multiple of vLLM's block size {spec.block_size}")
+    kernel_rows = spec.block_size // spec.tokens_per_state
+    return replace(spec, block_size=wide,
+                   block_stride_alignment=kernel_rows * spec.state_content_size_bytes)
+
+
+def _history_block_from_config(vllm_config) -> int:
+    from .support import connector_config
+    cfg = connector_config(vllm_config)
+    return 0 if cfg is None else cfg.history_block_tokens
 
 
 def _window_from_config(vllm_config) -> int:

@@ -77,6 +77,9 @@ def check_supported(vllm_config: "VllmConfig", platform=None, *,
         problem = step_budget_problem(vllm_config.scheduler_config, model_config.max_model_len)
         if problem is not None:
             raise ValueError(f"DHiSparseConnector: {problem}")
+    problem = history_problem(vllm_config)
+    if problem is not None:
+        raise ValueError(f"DHiSparseConnector: {problem}")
     if platform is None:
         from vllm.platforms import current_platform as platform
     if platform.is_cpu():
@@ -143,6 +146,26 @@ def _name(mode) -> str:
     return "unset" if mode is None else getattr(mode, "name", str(mode))
 
 
+def history_problem(vllm_config) -> str | None:
+    """Why ``history_block_tokens`` cannot serve this engine yet, or None: its wider blocks
+    have run exact against resident serving alone (kv_both), without speculation and
+    without the host prefix copies (tests/e2e/test_window_exact.py)."""
+    cfg = connector_config(vllm_config)
+    if cfg is None or not cfg.history_block_tokens:
+        return None
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    role = getattr(ktc, "kv_role", "kv_both")
+    untried = [what for what, on in (
+        (f"kv_role {role!r}", role != "kv_both"),
+        ("speculative decoding", getattr(vllm_config, "speculative_config", None) is not None),
+        ("host_prefix_gib > 0", cfg.host_prefix_gib > 0)) if on]
+    if untried:
+        return (f"history_block_tokens {cfg.history_block_tokens} with {untried[0]} has not "
+                f"run exact against resident serving yet. Drop history_block_tokens (0 keeps "
+                f"vLLM's block size) or serve without {untried[0]}.")
+    return None
+
+
 def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     """Why the connector cannot serve this engine on ``platform`` (not a CPU), or None."""
     name = getattr(platform, "device_name", None) or type(platform).__name__
@@ -172,6 +195,11 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     problem = spec_problem(vllm_config)
     if problem is not None:
         return problem
+    cfg = connector_config(vllm_config)
+    if cfg is not None and cfg.history_block_tokens:
+        return (f"history_block_tokens {cfg.history_block_tokens} has not run inside vLLM's "
+                f"CUDA engine yet (it has on vLLM's CPU platform). Drop history_block_tokens "
+                f"on CUDA.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "

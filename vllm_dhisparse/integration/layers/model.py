@@ -4,8 +4,10 @@ The plugin registers :class:`DHiSparseDeepseekV4ForCausalLM` under vLLM's own
 architecture name ``DeepseekV4ForCausalLM`` (lazily, by qualified name).  It is vLLM's
 model class; with DHiSparseConnector configured, its c4a attention layers (compress
 ratio 4 with a top-k indexer) become the platform's routed attention class, which reads
-their top-k rows through the hierarchy and declares their windowed KV cache spec.
-Without the connector the model is exactly vLLM's.
+their top-k rows through the hierarchy and declares their windowed KV cache spec.  With
+``history_block_tokens`` set, the layers whose history vLLM keeps whole on device (the
+indexer's key caches, the c128a attention layers) declare it in those wider blocks
+(``kv_spec.history_widened``).  Without the connector the model is exactly vLLM's.
 
 The swap changes the class of the already-built layer objects, as vLLM's own CPU
 attention does for its compressor and indexer (``cpu/cpu_sparse.py``): weights,
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 from vllm.models.deepseek_v4 import DeepseekV4ForCausalLM
-from vllm.models.deepseek_v4.attention import DeepseekV4Attention
+from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4IndexerCache
 from vllm.platforms import current_platform
 
 from vllm_dhisparse.compat.targets import expect, fail
 
+from .. import kv_spec
 from .model_probe import is_sparse_layer
 from ..support import connector_config
 
@@ -45,6 +48,8 @@ def check() -> None:
     expect("vllm.models.deepseek_v4:DeepseekV4ForCausalLM", ("vllm_config", "prefix"),
            exact=True)
     expect("vllm.models.deepseek_v4.attention:DeepseekV4Attention")
+    expect("vllm.models.deepseek_v4.attention:DeepseekV4IndexerCache.get_kv_cache_spec",
+           ("vllm_config",), exact=True)
     routed_attention_cls()
 
 
@@ -71,11 +76,54 @@ def route_sparse_layers(model) -> int:
     return n
 
 
+class WideHistory:
+    """Mixin for a layer whose history vLLM keeps whole on device: its KV cache spec in
+    ``history_block_tokens``-token blocks."""
+
+    def get_kv_cache_spec(self, vllm_config):
+        return kv_spec.history_widened(super().get_kv_cache_spec(vllm_config), vllm_config)
+
+
+_WIDE_CLASSES: dict[type, type] = {}
+
+
+def _wide_history_cls(cls: type) -> type:
+    """``cls`` with :class:`WideHistory` in front (one class per platform layer class)."""
+    if cls not in _WIDE_CLASSES:
+        _WIDE_CLASSES[cls] = type(f"WideHistory{cls.__name__}", (WideHistory, cls),
+                                  {"__module__": __name__})
+    return _WIDE_CLASSES[cls]
+
+
+def is_history_layer(module) -> bool:
+    """A layer whose compressed history vLLM keeps whole: an indexer's key cache, or a
+    c128a attention layer (dense over its compressed rows)."""
+    if isinstance(module, DeepseekV4IndexerCache):
+        return True
+    return isinstance(module, DeepseekV4Attention) and \
+        getattr(module, "compress_ratio", None) == 128
+
+
+def widen_history_layers(model) -> int:
+    """Gives every history layer of ``model`` the wider-block spec; their count."""
+    n = 0
+    for _, module in model.named_modules():
+        if is_history_layer(module) and not isinstance(module, WideHistory):
+            module.__class__ = _wide_history_cls(type(module))
+            n += 1
+    return n
+
+
 class DHiSparseDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if connector_config(vllm_config) is not None:
+        cfg = connector_config(vllm_config)
+        if cfg is not None:
             route_sparse_layers(self)
+            if cfg.history_block_tokens:
+                n = widen_history_layers(self)
+                logger.info("DHiSparse: %d history layers (indexer keys, c128a) in %d-token "
+                            "blocks", n, cfg.history_block_tokens)
 
 
 def is_routed(module) -> bool:
