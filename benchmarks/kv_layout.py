@@ -10,7 +10,11 @@ takes one block of the full-attention group per 256 tokens; resident serving kee
 caches in that group, the connector moves them to a group of their own whose blocks it
 frees behind ``device_window_tokens``.  So a token of history costs ``stride / 256`` bytes
 in either arm, and the connector saves at most ``1 - stride_connector / stride_resident``,
-however long the context, before its own pools are paid.
+however long the context, before its own pools are paid.  A third arm,
+``connector_wide``, runs the connector with ``history_block_tokens`` (``--wide``, 1,024):
+the history group (indexer keys, c128a) in wider blocks, a token of history then costing
+``stride / wide`` bytes; the stride must then be a whole number of the mapped kernel pages
+(64 indexer rows, 2 c128a rows), which raises it.
 
 Shapes (random weights, ``load_format="dummy"``; what matters is the layer plan and the
 KV dimensions, not the weights): ``demo`` is ``models/needle_v4`` (3 layers: c4a, c128a,
@@ -45,7 +49,7 @@ def shape_dir(name: str) -> str:
         compress_ratios=[1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, n)]))
 
 
-def child(model: str, connector: bool, kv_bytes: int) -> None:
+def child(model: str, connector: bool, kv_bytes: int, wide: int = 0) -> None:
     from vllm import LLM
 
     from harness.offline_run import in_process_scheduler
@@ -53,7 +57,8 @@ def child(model: str, connector: bool, kv_bytes: int) -> None:
               enforce_eager=True, block_size=256, kv_cache_memory_bytes=kv_bytes)
     if connector:
         from vllm_dhisparse.engine_args import engine_args
-        kw.update(engine_args({"host_pool_gib": 0.5}))
+        extra = {"host_pool_gib": 0.5, **({"history_block_tokens": wide} if wide else {})}
+        kw.update(engine_args(extra))
     cfg = in_process_scheduler(LLM(**kw)).kv_cache_config
     strides = sorted({t.block_stride for t in cfg.kv_cache_tensors})
     groups = [dict(spec=type(g.kv_cache_spec).__name__, layers=len(g.layer_names),
@@ -92,10 +97,11 @@ def smoke_check(shape: dict, name: str) -> list[str]:
     return problems
 
 
-def run_arm(model: str, connector: bool, kv_bytes: int) -> dict:
+def run_arm(model: str, connector: bool, kv_bytes: int, wide: int = 0) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", model,
-           "--kv-bytes", str(kv_bytes)] + (["--connector"] if connector else [])
+           "--kv-bytes", str(kv_bytes), "--wide", str(wide)] + (
+               ["--connector"] if connector else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if not found:
@@ -112,15 +118,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="results path without extension")
     ap.add_argument("--smoke", action="store_true",
                     help="the demo shape in 200 MB, checked against the ledger's latest result")
+    ap.add_argument("--wide", type=int, default=1024,
+                    help="history_block_tokens of the connector_wide arm (0: no such arm)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--connector", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.connector, args.kv_bytes)
+        child(args.child, args.connector, args.kv_bytes, args.wide if args.connector else 0)
         return 0
     from benchmarks.common import metadata
     if args.smoke:  # the committed result's demo shape; the memory only sets num_blocks
-        ap.set_defaults(shapes=["demo"], kv_bytes=200_000_000)
+        ap.set_defaults(shapes=["demo"], kv_bytes=200_000_000, wide=0)
         args = ap.parse_args(argv)
         if args.shapes != ["demo"]:
             ap.error("--smoke checks the demo shape against the ledger: drop --shapes")
@@ -129,13 +137,25 @@ def main(argv=None) -> int:
         model = shape_dir(name)
         r, c = run_arm(model, False, args.kv_bytes), run_arm(model, True, args.kv_bytes)
         sr, sc = max(r["block_stride"]), max(c["block_stride"])
-        out["shapes"][name] = dict(
+        shape = out["shapes"][name] = dict(
             resident=r, connector=c,
             history_bytes_per_token_resident=round(sr / HISTORY_BLOCK_TOKENS, 1),
             history_bytes_per_token_connector=round(sc / HISTORY_BLOCK_TOKENS, 1),
             most_sessions_ratio=round(sr / sc, 3))
         print(f"{name}: block stride {sr:,} B resident, {sc:,} B with the connector: at most "
               f"{sr / sc:.3f}x the sessions per byte of history", flush=True)
+        if args.wide:
+            w = run_arm(model, True, args.kv_bytes, args.wide)
+            sw = max(w["block_stride"])
+            shape.update(connector_wide=w, history_block_tokens=args.wide,
+                         history_bytes_per_token_connector_wide=round(sw / args.wide, 1),
+                         most_sessions_ratio_wide=round(sr / HISTORY_BLOCK_TOKENS
+                                                        / (sw / args.wide), 3),
+                         stride_ratio_wide=round(sw / sr, 3))
+            print(f"{name}: history in {args.wide}-token blocks: stride {sw:,} B, "
+                  f"{sw / args.wide:,.1f} B per token of history against resident's "
+                  f"{sr / HISTORY_BLOCK_TOKENS:,.1f} ({shape['most_sessions_ratio_wide']}x); "
+                  f"every other block {sw / sr:.3f}x resident's", flush=True)
     if args.smoke:
         problems = smoke_check(out["shapes"]["demo"], "demo")
         print("CHECK: " + ("; ".join(problems) if problems else

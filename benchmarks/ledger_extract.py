@@ -99,8 +99,16 @@ def _cpu_server(doc: dict) -> tuple[str, dict]:
 
 
 def _kv_layout(doc: dict) -> tuple[str, dict]:
-    return "cpu", {f"most_sessions_ratio_{name}": s["most_sessions_ratio"]
-                   for name, s in doc["shapes"].items()}
+    """Per shape: the most sessions per byte of history against resident serving, with
+    the history in vLLM's blocks and (where run) in ``history_block_tokens`` blocks."""
+    out = {}
+    for name, s in doc["shapes"].items():
+        out[f"most_sessions_ratio_{name}"] = s["most_sessions_ratio"]
+        if "most_sessions_ratio_wide" in s:
+            out[f"most_sessions_ratio_wide{s['history_block_tokens']}_{name}"] = \
+                s["most_sessions_ratio_wide"]
+            out[f"stride_ratio_wide{s['history_block_tokens']}_{name}"] = s["stride_ratio_wide"]
+    return "cpu", out
 
 
 def _multi_turn(doc: dict) -> tuple[str, dict]:
