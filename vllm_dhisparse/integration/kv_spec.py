@@ -139,7 +139,7 @@ def windowed(spec, vllm_config):
     ``MLAAttentionSpec``."""
     if spec is None or type(spec) is not MLAAttentionSpec:
         return spec
-    window = _window_from_config(vllm_config)
+    window = _configured(vllm_config, "device_window_tokens")
     if window <= 0:
         return spec
     fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
@@ -160,7 +160,7 @@ def history_widened(spec, vllm_config):
     fixed kernel block counts the page padded to 576 B instead (8,640 B, not 8,448 B, for
     the indexer), so the alignment is set here to the rows' bytes, as vLLM's
     ``align_blocks_to_rows`` does for sparse kernels."""
-    wide = _history_block_from_config(vllm_config)
+    wide = _configured(vllm_config, "history_block_tokens")
     if spec is None or type(spec) is not MLAAttentionSpec or wide <= spec.block_size:
         return spec
     if wide % spec.block_size:
@@ -171,14 +171,8 @@ def history_widened(spec, vllm_config):
                    block_stride_alignment=kernel_rows * spec.state_content_size_bytes)
 
 
-def _history_block_from_config(vllm_config) -> int:
+def _configured(vllm_config, key: str) -> int:
+    """The connector's ``key`` when DHiSparseConnector is configured, else 0."""
     from .support import connector_config
     cfg = connector_config(vllm_config)
-    return 0 if cfg is None else cfg.history_block_tokens
-
-
-def _window_from_config(vllm_config) -> int:
-    """device_window_tokens when DHiSparseConnector is configured, else 0."""
-    from .support import connector_config
-    cfg = connector_config(vllm_config)
-    return 0 if cfg is None else cfg.device_window_tokens
+    return 0 if cfg is None else getattr(cfg, key)
