@@ -503,3 +503,23 @@ def test_flash_mla_bit_identical_after_moving_rows():
     A.flash_mla_with_kvcache_cpu(o1, q, src, ws, bs, src, cs, bs, sink, 0.04)
     A.flash_mla_with_kvcache_cpu(o2, q, dst, remap(ws), bs, dst, remap(cs), bs, sink, 0.04)
     assert torch.equal(o1, o2)
+
+
+def test_flash_mla_token_result_independent_of_its_batch():
+    """A token's output is the same alone or in a call with other tokens (across the op's
+    chunks of tokens), as with the per-query kernel: arms that batch requests differently
+    (speculation, preemption, P/D) compare bit for bit."""
+    g = gen(13)
+    t, h, bs, nb = 2 * A._ATTN_CHUNK_TOKENS + 3, 8, 16, 20
+    cache = build_ds_mla_cache(nb, bs, nb * bs)
+    q = torch.randn(t, h, 512, generator=g).to(torch.bfloat16)
+    ws = torch.randint(0, nb * bs, (t, 40), generator=g)
+    cs = torch.randint(0, nb * bs, (t, 64), generator=g)
+    sink = torch.randn(h, generator=g)
+    together = torch.empty(t, h, 512, dtype=torch.bfloat16)
+    A.flash_mla_with_kvcache_cpu(together, q, cache, ws, bs, cache, cs, bs, sink, 0.04)
+    for i in range(t):
+        alone = torch.empty(1, h, 512, dtype=torch.bfloat16)
+        A.flash_mla_with_kvcache_cpu(alone, q[i:i + 1], cache, ws[i:i + 1], bs, cache,
+                                     cs[i:i + 1], bs, sink, 0.04)
+        assert torch.equal(alone[0], together[i]), i

@@ -31,34 +31,27 @@ from ._common import (
     store_ds_mla_rows,
 )
 
-# Query tokens per attention chunk (bounds the [T, H, distinct rows] scores).
-_ATTN_CHUNK_TOKENS = 32
+# Query tokens per attention chunk: their listed rows ([T, N, 512] fp32) stay in cache.
+_ATTN_CHUNK_TOKENS = 4
 
 
 def _distinct_rows(cache_2d, slots, block_size):
     """Dequantize each distinct valid slot of a ``[T, N]`` slot matrix once.
 
-    Distinct rows are ordered by first appearance in the row-major slot list
-    (not by slot number), so everything computed from them depends on the
-    listed rows' values and list order only, never on where rows physically
-    live. A slot is valid when ``0 <= slot < num_blocks * block_size`` (the
-    kernel's check). Returns ``(rows [U, 512] fp32, inv [T, N], valid [T, N])``
-    (``inv`` is 0 for invalid entries).
+    A slot is valid when ``0 <= slot < num_blocks * block_size`` (the kernel's
+    check). Returns ``(rows [U, 512] fp32, inv [T, N], valid [T, N])`` (``inv``
+    is 0 for invalid entries). Only the rows' values reach the output: each
+    token gathers its listed rows in its list's order, so where the rows live
+    and how they are numbered here never matter.
     """
     total = cache_2d.shape[0] * block_size
     valid = (slots >= 0) & (slots < total)
     inv = torch.zeros_like(slots)
     if slots.numel() == 0 or not bool(valid.any()):
         return torch.zeros((0, HEAD_DIM), dtype=torch.float32), inv, valid
-    listed = slots[valid]
-    uniq, u_inv = torch.unique(listed, return_inverse=True)
-    first = torch.full((uniq.numel(),), listed.numel(), dtype=torch.long)
-    first.scatter_reduce_(0, u_inv, torch.arange(listed.numel()), reduce="amin")
-    order = torch.argsort(first)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel())
-    inv[valid] = rank[u_inv]
-    return load_ds_mla_rows(cache_2d, uniq[order], block_size), inv, valid
+    uniq, u_inv = torch.unique(slots[valid], return_inverse=True)
+    inv[valid] = u_inv
+    return load_ds_mla_rows(cache_2d, uniq, block_size), inv, valid
 
 
 def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_block_size,
@@ -75,48 +68,50 @@ def flash_mla_with_kvcache_cpu(out, q, window_cache_2d, window_slots, window_blo
     ``out = sum_n e^{s_n} v_n / (sum_n e^{s_n} + e^{sink_h})``. A token with no
     valid row gets 0. Writes ``out`` (bf16) in place.
 
-    Per chunk of tokens the chunk's distinct rows are dequantized once; then
-    per token, over its listed rows ``K_t`` (window entries, then compressed
-    entries): ``S = q K_t^T``, softmax with the sink, ``out = P K_t``. Results
-    depend on the token's own row values and list order only: the same lists
-    over rows moved to other slots, or batched with other tokens, give
-    bit-identical output.
+    The call's distinct rows are dequantized once; then per token, over its
+    listed rows ``K_t`` (window entries, then compressed entries):
+    ``S = q K_t^T``, softmax with the sink, ``out = P K_t``. Results depend on
+    the token's own row values and list order only: the same lists over rows
+    moved to other slots, or batched with other tokens, give bit-identical
+    output.
     """
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
         return
-    sink = attn_sink.float().reshape(1, -1)
+    kw, iw, vw = _distinct_rows(window_cache_2d, window_slots.long(), window_block_size)
+    kc, ic, vc = _distinct_rows(compressed_cache_2d, compressed_slots.long(),
+                                compressed_block_size)
+    u = kw.shape[0] + kc.shape[0]
+    if u == 0:
+        out.zero_()
+        return
+    # one zero row after the distinct rows: invalid entries point at it, so the listed
+    # rows need no masked copy (their scores are masked to -inf below)
+    k = torch.cat([kw, kc, kw.new_zeros((1, HEAD_DIM))], dim=0)  # [U + 1, 512]
+    valid = torch.cat([vw, vc], dim=1)  # [T, N]
+    listed = torch.cat([iw, ic + kw.shape[0]], dim=1).masked_fill_(~valid, u)  # [T, N]
+    any_valid = valid.any(dim=1)  # [T]
+    width = listed.shape[1]
+    sink = attn_sink.float().reshape(1, -1)  # [1, H]
+    # One buffer for every chunk's listed rows, small enough to stay in cache: a fresh
+    # [T, N, 512] fp32 tensor per chunk is mapped and faulted in anew each time.
+    k_buf = k.new_empty((min(num_tokens, _ATTN_CHUNK_TOKENS) * width, HEAD_DIM))
     for t0 in range(0, num_tokens, _ATTN_CHUNK_TOKENS):
         t1 = min(num_tokens, t0 + _ATTN_CHUNK_TOKENS)
         t = t1 - t0
-        kw, iw, vw = _distinct_rows(window_cache_2d, window_slots[t0:t1].long(),
-                                    window_block_size)
-        kc, ic, vc = _distinct_rows(compressed_cache_2d, compressed_slots[t0:t1].long(),
-                                    compressed_block_size)
-        u = kw.shape[0] + kc.shape[0]
-        if u == 0:
-            out[t0:t1] = 0
-            continue
-        # one zero row after the distinct rows: invalid entries point at it, so the listed
-        # rows need no masked copy (their scores are masked to -inf below)
-        k = torch.cat([kw, kc, kw.new_zeros((1, HEAD_DIM))], dim=0)  # [U + 1, 512]
-        inv = torch.cat([iw, ic + kw.shape[0]], dim=1)  # [T, N]
-        valid = torch.cat([vw, vc], dim=1)
-        any_valid = valid.any(dim=1)
         # Per token, over its own listed rows only (batched matmuls of fixed per-token
         # shape): a token's result never depends on which other tokens share the call,
-        # as with the real per-query kernel.  (Contracting over the chunk's distinct
-        # rows instead made results vary with the other tokens' selections.)
-        listed = inv.masked_fill(~valid, u)  # [T, N]
-        k_t = k.index_select(0, listed.reshape(-1)).view(t, listed.shape[1], HEAD_DIM)
-        # k_t: [T, N, 512] each token's listed rows in its list's order
+        # as with the real per-query kernel.  (Contracting over distinct rows instead
+        # made results vary with the other tokens' selections.)
+        k_t = torch.index_select(k, 0, listed[t0:t1].reshape(-1), out=k_buf[:t * width])
+        k_t = k_t.view(t, width, HEAD_DIM)  # [T, N, 512] each token's rows in list order
         s = torch.bmm(q[t0:t1].float(), k_t.transpose(1, 2)) * float(scale)  # [T, H, N]
-        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        s = s.masked_fill(~valid[t0:t1].unsqueeze(1), float("-inf"))
         m = torch.maximum(s.amax(dim=-1), sink)  # [T, H]
         p = torch.exp(s - m.unsqueeze(-1))
         denom = p.sum(dim=-1) + torch.exp(sink - m)
         o = torch.bmm(p, k_t) / denom.unsqueeze(-1)
-        o[~any_valid] = 0.0
+        o[~any_valid[t0:t1]] = 0.0
         out[t0:t1] = o.to(out.dtype)
 
 
