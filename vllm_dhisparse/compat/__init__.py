@@ -60,6 +60,12 @@ SHIMS: tuple[Shim, ...] = (
           "vllm.v1.kv_cache_spec_registry:KVCacheSpecRegistry._ensure_registered"),
          "out-of-tree KV cache specs registered before vLLM's built-in ones are overwritten",
          "every platform (the plugin's KV cache spec registration)"),
+    Shim("paged_gather_stride",
+         ("vllm.models.deepseek_v4.nvidia.flashmla:dequantize_and_gather_k_cache",
+          "vllm.models.deepseek_v4.common.ops.cache_utils:_DEQUANTIZE_AND_GATHER_K_CACHE_KERNEL"),
+         "the CuTe-DSL prefill gather refuses page strides that are not multiples of 32 B, "
+         "which a c128a kernel page inside a wider history block is (1,168 B)",
+         "CUDA, with history_block_tokens (the model, when it widens the history layers)"),
 )
 HELPERS = ("targets", "early")  # what the shims use; no target of their own
 

@@ -121,6 +121,9 @@ class DHiSparseDeepseekV4ForCausalLM(DeepseekV4ForCausalLM):
         if cfg is not None:
             route_sparse_layers(self)
             if cfg.history_block_tokens:
+                if current_platform.is_cuda():
+                    from vllm_dhisparse.compat import paged_gather_stride
+                    paged_gather_stride.apply()  # c128a pages of 1,168 B in wider blocks
                 n = widen_history_layers(self)
                 logger.info("DHiSparse: %d history layers (indexer keys, c128a) in %d-token "
                             "blocks", n, cfg.history_block_tokens)
