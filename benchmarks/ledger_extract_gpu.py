@@ -35,6 +35,9 @@ def _gpu_audit(doc: dict) -> tuple[str, dict]:
         model=Path(doc["model"]).name, hot_cache_rows=extra.get("hot_cache_rows"),
         device_window_tokens=extra.get("device_window_tokens"))
     config = arm["engine"]["cudagraph_mode"].lower()
+    if extra.get("history_block_tokens"):  # vLLM's history in wider blocks: another layout
+        config += f"_history{extra['history_block_tokens']}"
+        metrics["history_block_tokens"] = extra["history_block_tokens"]
     spec = doc.get("speculative_config")
     if spec:  # gpu_connector.py --spec: K draft tokens verified per request and step
         # a DSpark drafter replaying an earlier run's outputs accepts more than one built

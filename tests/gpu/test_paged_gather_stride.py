@@ -50,17 +50,17 @@ def test_misaligned_pages_gather_the_bits_aligned_pages_gather():
 
     g = torch.Generator().manual_seed(0)
     pages = _pages(g)
-    seq_rows = torch.tensor([37, 64, 5, 1], dtype=torch.int32, device="cuda")
-    table = torch.randperm(PAGES, generator=g)[:4 * 32].view(4, 32).to(torch.int32).cuda()
+    seq_rows = torch.tensor([37, 48, 5, 1], dtype=torch.int32, device="cuda")
+    table = torch.randperm(PAGES, generator=g)[:4 * 24].view(4, 24).to(torch.int32).cuda()
     upstream = flashmla.dequantize_and_gather_k_cache
     with pytest.raises(Exception, match="divisible by 32"):  # what the shim is for
-        upstream(torch.zeros(4, 64, 512, dtype=torch.bfloat16, device="cuda"),
+        upstream(torch.zeros(4, 48, 512, dtype=torch.bfloat16, device="cuda"),
                  _paged(pages, 1168), seq_rows, None, table, ROWS, 0)
     paged_gather_stride.apply()
     try:
         outs = {}
         for stride in (1168, 1280):
-            out = torch.zeros(4, 64, 512, dtype=torch.bfloat16, device="cuda")
+            out = torch.zeros(4, 48, 512, dtype=torch.bfloat16, device="cuda")
             flashmla.dequantize_and_gather_k_cache(out, _paged(pages, stride), seq_rows, None,
                                                    table, ROWS, 0)
             outs[stride] = out

@@ -200,7 +200,7 @@ def test_wider_history_blocks_with_what_has_not_run_are_refused_everywhere(cfg, 
 
 
 def test_wider_history_blocks_are_refused_on_cuda_until_they_have_run_there():
-    with pytest.raises(ValueError, match=r"history_block_tokens 1024 has not run inside "
-                                         r"vLLM's CUDA engine"):
+    with pytest.raises(ValueError, match=r"history_block_tokens 1024 has not run exact "
+                                         r"inside vLLM's CUDA engine"):
         check_supported(wide(), H200)
     check_supported(wide(), H200, unaudited=True)  # the measuring scripts may
