@@ -1,7 +1,7 @@
 """``make test``: the whole suite as two pytest processes at once.
 
-    python scripts/run_tests.py                  # both shards; exit 1 if either fails
-    python scripts/run_tests.py tests/unit -x    # arguments given: one plain pytest run
+    python scripts/run_tests.py [--logs DIR]     # both shards; exit 1 if either fails
+    python scripts/run_tests.py -x tests/unit    # other arguments: one pytest run with them
 
 On two cores (CI's machine, ours) the suite run alone keeps about 1.2 of them busy: the
 offline engine runs compute on both, but vLLM's imports, server and Ray starts, the waits on
@@ -15,7 +15,6 @@ both logs are printed, one after the other.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -41,15 +40,16 @@ def shards() -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--logs", default=None, help="folder for the shards' logs")
-    ap.add_argument("pytest_args", nargs=argparse.REMAINDER,
-                    help="given: run pytest with them instead of the two shards")
-    args = ap.parse_args(argv)
-    if args.pytest_args:
-        return subprocess.call([*PYTEST, *args.pytest_args], cwd=REPO)
-    logs = Path(args.logs or tempfile.mkdtemp(prefix="dhisparse-tests-"))
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    logs = None
+    if argv[:1] == ["--logs"]:  # folder for the shards' logs
+        logs, argv = argv[1], argv[2:]
+    if argv:  # anything else is pytest's
+        return subprocess.call([*PYTEST, *argv], cwd=REPO)
+    logs = Path(logs or tempfile.mkdtemp(prefix="dhisparse-tests-"))
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     procs = {}
