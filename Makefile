@@ -13,10 +13,8 @@ $(STAMP): setup.py scripts/setup_env.sh
 
 setup: $(STAMP)
 
-# two pytest processes side by side (scripts/run_tests.py says which tests each runs);
-# `make test ARGS="tests/unit -x"` runs one pytest with those arguments instead
 test: $(STAMP)
-	$(PY) scripts/run_tests.py $(ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=30
 
 # on a CUDA machine (SM90 / SM100) with vLLM 0.33 and this package installed in PYTHON's
 # environment: the connector against resident serving inside vLLM's GPU engine
