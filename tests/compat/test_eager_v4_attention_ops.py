@@ -523,3 +523,22 @@ def test_flash_mla_token_result_independent_of_its_batch():
         A.flash_mla_with_kvcache_cpu(alone, q[i:i + 1], cache, ws[i:i + 1], bs, cache,
                                      cs[i:i + 1], bs, sink, 0.04)
         assert torch.equal(alone[0], together[i]), i
+
+
+def test_fp8_paged_mqa_logits_row_independent_of_its_chunk(monkeypatch):
+    """A query row's logits are the same alone or among others split over several of the
+    op's chunks (its chunk size is a memory bound, not part of the result)."""
+    g = gen(14)
+    bs, pages, b, h = 8, 12, 11, 32
+    cache = build_indexer_cache(pages, bs, pages * bs)
+    q8 = (torch.randn(b, h, 128, generator=g) * 20).to(torch.float8_e4m3fn)
+    w = torch.randn(b, h, generator=g)
+    seq = torch.randint(1, pages * bs, (b,), generator=g, dtype=torch.int32)
+    table = torch.stack([torch.randperm(pages, generator=g) for _ in range(2)])[
+        torch.arange(b) % 2].to(torch.int32)
+    monkeypatch.setattr(I, "_LOGITS_CHUNK_ELEMS", 3 * pages * bs * h)  # 3 rows a chunk
+    together = I.fp8_paged_mqa_logits_cpu(q8, cache, w, seq, table, bs, pages * bs)
+    for i in range(b):
+        alone = I.fp8_paged_mqa_logits_cpu(q8[i:i + 1], cache, w[i:i + 1], seq[i:i + 1],
+                                           table[i:i + 1], bs, pages * bs)
+        assert torch.equal(alone[0], together[i]), i
