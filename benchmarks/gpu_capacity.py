@@ -34,11 +34,13 @@ EXTRA = {"host_pool_gib": 6.0}  # every running request's history fits the host 
 BINS = ((1, 4), (5, 8), (9, 16), (17, 24), (25, 32), (33, 48), (49, 64), (65, 96), (97, 128))
 
 
-def model_dir(src: str, max_len: int) -> str:
-    """The demo architecture with positions up to ``max_len`` and no weights (dummy load)."""
-    from benchmarks.common import model_config_copy
+def model_dir(src: str, max_len: int, shape: str = "demo") -> str:
+    """``src``'s architecture in ``shape``'s layer plan (benchmarks/common.py) with positions
+    up to ``max_len`` and no weights (dummy load)."""
+    from benchmarks.common import layer_plan, model_config_copy
 
     def longer(cfg: dict) -> None:
+        layer_plan(shape, cfg)
         cfg["max_position_embeddings"] = max_len
         cfg["rope_scaling"] = dict(cfg["rope_scaling"], factor=max_len / cfg["rope_scaling"][
             "original_max_position_embeddings"])
@@ -70,9 +72,11 @@ def child(args) -> None:
     kw = dict(model=args.model, load_format="dummy", max_model_len=args.max_len,
               max_num_seqs=args.max_seqs, seed=0, gpu_memory_utilization=0.15,
               kv_cache_memory_bytes=args.kv_bytes)
+    if args.max_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_batched_tokens
     if args.connector:
         from gpu_measure import engine_args
-        kw.update(engine_args(json.loads(args.connector)))
+        kw.update(engine_args(json.loads(args.connector), unaudited=args.unaudited))
     llm = LLM(**kw)
     engine, sched = llm.llm_engine, in_process_scheduler(llm)
     kv_layout = layout(sched.kv_cache_config)
@@ -133,6 +137,9 @@ def child(args) -> None:
     res = dict(requests_sent=added, requests_started=len(first),
                requests_finished=sum(seen.get(r, 0) >= args.out_tokens for r in arrival),
                output_tokens=total_out, seconds=round(dur, 2),
+               # prompt tokens of the requests that reached their first token: what the
+               # engine prefilled in the arm, whatever else bounded it
+               prefill_tokens_per_s=round(sum(len(prompts[int(r[1:])]) for r in first) / dur),
                output_tokens_per_s=round(total_out / dur, 1),
                output_tokens_per_s_arrival_window=round(
                    in_window[-1][4] / in_window[-1][0], 1) if in_window else None,
@@ -161,6 +168,7 @@ def child(args) -> None:
 
 
 def main(argv=None) -> int:
+    from benchmarks.common import SHAPES
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "needle_v4"),
@@ -178,8 +186,20 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="prompt lengths times this")
     ap.add_argument("--extra", default=json.dumps(EXTRA))
     ap.add_argument("--arms", default="resident,connector")
+    ap.add_argument("--shape", default="demo", choices=SHAPES,
+                    help="the layer plan (benchmarks/common.py layer_plan): the demo's 3 layers, "
+                         "or DeepSeek-V4-Flash's 43 on the demo's dimensions")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="max_num_batched_tokens of both arms (0: vLLM's default); a prefill "
+                         "chunk holds a block of each 4-token compressor-state group per 4 "
+                         "tokens, each a whole block stride, for its step")
+    ap.add_argument("--unaudited", action="store_true",
+                    help="the connector through scripts/gpu_measure.py's subclass, which lets "
+                         "through what the package still refuses on CUDA (history_block_tokens)")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="only draw the plot of a result file (beside it, .png)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine the arms of result files with equal settings into OUT")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--connector", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -187,18 +207,22 @@ def main(argv=None) -> int:
         with open(args.replot) as f:
             plot(json.load(f), args.replot[:-len(".json")] + ".png")
         return 0
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.child:
         child(args)
         return 0
     from gpu_connector import arm_env
     from gpu_engine import meta
     os.makedirs(args.out, exist_ok=True)
-    model = model_dir(args.model, args.max_len)
+    model = model_dir(args.model, args.max_len, args.shape)
     results = {}
     for arm in args.arms.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model]
-        for k in ("kv_bytes", "max_len", "max_seqs", "rate", "arrive_s", "arm_s", "out_tokens", "scale"):
+        for k in ("kv_bytes", "max_len", "max_seqs", "rate", "arrive_s", "arm_s", "out_tokens",
+                  "scale", "max_batched_tokens"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        cmd += ["--unaudited"] if args.unaudited else []
         if arm == "connector":
             cmd += ["--connector", args.extra]
         log = os.path.join(args.out, f"capacity_{arm}.log")
@@ -214,8 +238,19 @@ def main(argv=None) -> int:
               flush=True)
     doc = dict(meta=meta(), kv_cache_memory_bytes=args.kv_bytes, lengths=LENGTHS,
                rate=args.rate, arrive_s=args.arrive_s, out_tokens=args.out_tokens,
-               max_num_seqs=args.max_seqs, extra_config=json.loads(args.extra), arms=results)
-    r, c = results.get("resident", {}), results.get("connector", {})
+               max_num_seqs=args.max_seqs, shape=args.shape,
+               max_num_batched_tokens=args.max_batched_tokens or None,
+               unaudited=args.unaudited, extra_config=json.loads(args.extra), arms=results)
+    add_ratios(doc)
+    with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    plot(doc, os.path.join(args.out, "gpu_capacity.png"))
+    print("SUMMARY " + json.dumps(doc.get("ratios")), flush=True)
+    return 0
+
+
+def add_ratios(doc: dict) -> None:
+    r, c = doc["arms"].get("resident", {}), doc["arms"].get("connector", {})
     if r.get("max_decoding") and c.get("max_decoding"):
         doc["ratios"] = dict(
             max_decoding=round(c["max_decoding"] / r["max_decoding"], 2),
@@ -224,9 +259,25 @@ def main(argv=None) -> int:
             decode_step_at_equal_concurrency={
                 b: round(c["decode_step_ms"][b] / r["decode_step_ms"][b], 3)
                 for b in r.get("decode_step_ms", {}) if b in c.get("decode_step_ms", {})})
-    with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
+
+
+def merge(paths: list[str], out: str) -> int:
+    """One result from arms run by separate calls on the same machine (a call's time limit
+    can be shorter than two arms): their settings must be equal."""
+    docs = [json.load(open(p)) for p in paths]
+    same = ("kv_cache_memory_bytes", "lengths", "rate", "arrive_s", "out_tokens", "max_num_seqs",
+            "shape", "max_num_batched_tokens", "extra_config")
+    for d in docs[1:]:
+        differ = [k for k in same if d.get(k) != docs[0].get(k)]
+        if differ:
+            raise SystemExit(f"--merge: {paths[0]} and another file differ in {differ}")
+    doc = dict(docs[0], arms={a: v for d in docs for a, v in d["arms"].items()},
+               merged_from=[dict(meta=d["meta"], arms=list(d["arms"])) for d in docs])
+    add_ratios(doc)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_capacity.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(doc, os.path.join(args.out, "gpu_capacity.png"))
+    plot(doc, os.path.join(out, "gpu_capacity.png"))
     print("SUMMARY " + json.dumps(doc.get("ratios")), flush=True)
     return 0
 

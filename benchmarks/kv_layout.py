@@ -37,16 +37,12 @@ HISTORY_BLOCK_TOKENS = 256  # the full-attention group's block: DeepSeek-V4's in
 
 
 def shape_dir(name: str) -> str:
+    from benchmarks.common import layer_plan, model_config_copy
     src = os.path.join(ROOT, "models", "needle_v4")
+    layer_plan(name, {})  # an unknown name stops here, before any copy
     if name == "demo":
         return src
-    if name != "v4flash":
-        raise ValueError(f"shape {name!r}; allowed: demo, v4flash")
-    from benchmarks.common import model_config_copy
-    n = 43
-    return model_config_copy(src, f"kv-layout-{name}-", lambda cfg: cfg.update(
-        num_hidden_layers=n, index_n_heads=64,
-        compress_ratios=[1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, n)]))
+    return model_config_copy(src, f"kv-layout-{name}-", lambda cfg: layer_plan(name, cfg))
 
 
 def child(model: str, connector: bool, kv_bytes: int, wide: int = 0) -> None:
