@@ -76,7 +76,8 @@ SHAPES = ("demo", "v4flash")
 def layer_plan(name: str, cfg: dict) -> None:
     """Edit a DeepSeek-V4 config (the demo model's) in place to a shape's layer plan.
     ``demo``: as it is (3 layers: c4a, c128a, c4a).  ``v4flash``: DeepSeek-V4-Flash's plan
-    on the demo's dimensions -- 43 layers, window-only layers 0-1, c4a on even layers from
+    on the demo's dimensions -- 43 layers, window-only layers 0-1 (compress ratio 0, as
+    transformers' DeepseekV4Config names them), c4a on even layers from
     2, c128a on odd layers from 3, 64 indexer heads; what sets the KV layout is this plan
     and the KV dimensions, not the hidden size or the weights."""
     if name not in SHAPES:
@@ -84,7 +85,7 @@ def layer_plan(name: str, cfg: dict) -> None:
     if name == "v4flash":
         n = 43
         cfg.update(num_hidden_layers=n, index_n_heads=64,
-                   compress_ratios=[1, 1] + [4 if i % 2 == 0 else 128 for i in range(2, n)])
+                   compress_ratios=[0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, n)])
 
 
 def utc_now() -> str:

@@ -49,7 +49,7 @@ def test_v4flash_model_has_the_flash_layer_plan_and_the_context():
                       / "config.json").read_text())
     ratios = cfg["compress_ratios"]
     assert (cfg["num_hidden_layers"], len(ratios), cfg["index_n_heads"]) == (43, 43, 64)
-    assert (ratios.count(1), ratios.count(4), ratios.count(128)) == (2, 21, 20)
+    assert (ratios.count(0), ratios.count(4), ratios.count(128)) == (2, 21, 20)
     assert cfg["max_position_embeddings"] == 135168
     assert cfg["rope_scaling"]["factor"] * cfg["rope_scaling"][
         "original_max_position_embeddings"] == 135168
