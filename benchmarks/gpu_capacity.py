@@ -266,12 +266,17 @@ def merge(paths: list[str], out: str) -> int:
     can be shorter than two arms): their settings must be equal."""
     docs = [json.load(open(p)) for p in paths]
     same = ("kv_cache_memory_bytes", "lengths", "rate", "arrive_s", "out_tokens", "max_num_seqs",
-            "shape", "max_num_batched_tokens", "extra_config")
+            "shape", "max_num_batched_tokens")
     for d in docs[1:]:
         differ = [k for k in same if d.get(k) != docs[0].get(k)]
+        both = "connector" in d["arms"] and "connector" in docs[0]["arms"]
+        if both and d.get("extra_config") != docs[0].get("extra_config"):  # resident ignores it
+            differ.append("extra_config")
         if differ:
             raise SystemExit(f"--merge: {paths[0]} and another file differ in {differ}")
-    doc = dict(docs[0], arms={a: v for d in docs for a, v in d["arms"].items()},
+    with_connector = [d for d in docs if "connector" in d["arms"]] or docs
+    doc = dict(docs[0], extra_config=with_connector[0].get("extra_config"),
+               arms={a: v for d in docs for a, v in d["arms"].items()},
                merged_from=[dict(meta=d["meta"], arms=list(d["arms"])) for d in docs])
     add_ratios(doc)
     os.makedirs(out, exist_ok=True)

@@ -26,7 +26,8 @@ def _arm(decoding: int, tps: float, steps: dict) -> dict:
 
 def test_merge_takes_each_files_arms_and_computes_the_ratios(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps(_doc({"resident": _arm(4, 100.0, {"1-4": 10.0})})))
+    # resident serving ignores the connector's config: its file may hold another one
+    a.write_text(json.dumps(_doc({"resident": _arm(4, 100.0, {"1-4": 10.0})}, extra_config={})))
     b.write_text(json.dumps(_doc({"connector": _arm(10, 190.0, {"1-4": 11.0, "9-16": 30.0})})))
     assert G.merge([str(a), str(b)], str(tmp_path / "out")) == 0
     doc = json.loads((tmp_path / "out" / "gpu_capacity.json").read_text())
@@ -34,6 +35,7 @@ def test_merge_takes_each_files_arms_and_computes_the_ratios(tmp_path):
     assert doc["ratios"] == dict(max_decoding=2.5, output_tokens_per_s=1.9,
                                  decode_step_at_equal_concurrency={"1-4": 1.1})
     assert [m["arms"] for m in doc["merged_from"]] == [["resident"], ["connector"]]
+    assert doc["extra_config"] == {"history_block_tokens": 1024}
 
 
 def test_merge_refuses_arms_run_with_other_settings(tmp_path):

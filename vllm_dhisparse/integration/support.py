@@ -16,7 +16,11 @@ the reason and the way out, instead of producing wrong tokens without an error:
   (B200) it has not covered, so they are refused with that reason.  Prefix hits from host
   memory (``host_prefix_gib``) are served: inside the engine the KV a hit loads equals, byte
   for byte, the blocks vLLM computed for those tokens (scripts/gpu_host_prefix_bytes.py,
-  make test-gpu).  A subclass
+  make test-gpu).  History in wider blocks (``history_block_tokens``) is served on SM90:
+  vLLM's own reads and writes of the indexer and c128a pages inside them equal, bit for
+  bit, those of its default layout (tests/gpu/test_wide_history_kernels.py), and the
+  routed decode stays bit-identical to upstream's there (the audit with 1,024-token
+  blocks).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
   package and its config) lets the refused graph modes, the unaudited speculative setups
   and SM100 through, so that the audit can run them.  What has not run on CUDA at all is
@@ -195,15 +199,6 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     problem = spec_problem(vllm_config)
     if problem is not None:
         return problem
-    cfg = connector_config(vllm_config)
-    if cfg is not None and cfg.history_block_tokens:
-        return (f"history_block_tokens {cfg.history_block_tokens} has not run exact inside "
-                f"vLLM's CUDA engine yet: it serves there (H100, benchmarks/results/"
-                f"gpu_connector_audit_2026-12-07_6588c8a_history1024.json: the routed c4a "
-                f"decode bit-identical to upstream's in 422 of 422 calls), but vLLM's own reads "
-                f"of the indexer and c128a pages inside the wider blocks have not been compared "
-                f"bit for bit with its default layout (docs/capacity.md). Drop "
-                f"history_block_tokens on CUDA.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
