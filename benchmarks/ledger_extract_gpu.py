@@ -64,7 +64,11 @@ def _gpu_connector(doc: dict) -> tuple[str, dict]:
 
 def _gpu_capacity(doc: dict) -> tuple[str, dict]:
     r, c = doc["arms"]["resident"], doc["arms"]["connector"]
-    return f"kv{doc['kv_cache_memory_bytes'] / 2**30:g}g_rate{doc['rate']:g}", dict(
+    shape = doc.get("shape", "demo")
+    wide = (doc.get("extra_config") or {}).get("history_block_tokens")
+    config = (f"kv{doc['kv_cache_memory_bytes'] / 2**30:g}g_rate{doc['rate']:g}"
+              + (f"_{shape}" if shape != "demo" else "") + (f"_history{wide}" if wide else ""))
+    return config, dict(
         max_decoding_resident=r["max_decoding"], max_decoding_connector=c["max_decoding"],
         tokens_per_s_resident=r["output_tokens_per_s"],
         tokens_per_s_connector=c["output_tokens_per_s"],
