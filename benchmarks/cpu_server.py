@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from vllm_dhisparse import demo  # noqa: E402
 from vllm_dhisparse.engine_args import server_args as connector_args  # noqa: E402
 
+SMOKE_PROMPT = 300  # the smoke's capacity prompt; its servers hold the latency phase's KV
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.e+]+)", re.M)
 
 
@@ -58,7 +59,7 @@ class Server:
 
     def __init__(self, model: str, extra: dict | None, *, max_model_len: int, kv_bytes: int,
                  max_num_seqs: int, log: Path):
-        self.model, self.port = model, demo.free_port()
+        self.model, self.port, self.kv_bytes = model, demo.free_port(), kv_bytes
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--seed", "0",
@@ -138,12 +139,13 @@ def concurrently(fn, args: list) -> list:
     return out
 
 
-def latency(args, arms: dict, logs: Path) -> dict:
+def latency(args, arms: dict, logs: Path, servers: dict | None = None) -> dict:
     """Both arms' servers up at once, the arms taking turns within every round (same
-    prompts), so that a slow spell of the machine falls on both."""
+    prompts), so that a slow spell of the machine falls on both.  ``servers``: ones
+    already up (the smoke's, shared with its capacity phase)."""
     res = {arm: {} for arm in arms}
     with contextlib.ExitStack() as stack:
-        servers = {arm: stack.enter_context(Server(
+        servers = servers or {arm: stack.enter_context(Server(
             args.model, extra, max_model_len=args.latency_prompt + args.latency_tokens + 8,
             kv_bytes=args.latency_kv_bytes, max_num_seqs=8, log=logs / f"latency_{arm}.log"))
             for arm, extra in arms.items()}
@@ -183,10 +185,17 @@ def decode_gaps(times: list[list[float]]) -> list[float]:
     return [b - a for t in times for a, b in zip(t, t[1:]) if a >= start and b <= end]
 
 
-def capacity(args, arm: str, extra, prompt: int, kv_bytes: int, logs: Path) -> dict:
-    with Server(args.model, extra, max_model_len=prompt + args.capacity_tokens + 8,
-                kv_bytes=kv_bytes, max_num_seqs=args.requests,
-                log=logs / f"capacity{prompt}_{arm}.log") as s:
+def capacity(args, arm: str, extra, prompt: int, kv_bytes: int, logs: Path,
+             server: Server | None = None) -> dict:
+    """``server``: one already up with ``kv_bytes`` of KV memory (the smoke's)."""
+    if server is not None and server.kv_bytes != kv_bytes:
+        raise ValueError(f"capacity {prompt}:{kv_bytes} on a server with {server.kv_bytes} "
+                         f"bytes of KV memory: under --smoke give --latency-kv-bytes the same")
+    with contextlib.ExitStack() as stack:
+        s = server or stack.enter_context(Server(
+            args.model, extra, max_model_len=prompt + args.capacity_tokens + 8,
+            kv_bytes=kv_bytes, max_num_seqs=args.requests,
+            log=logs / f"capacity{prompt}_{arm}.log"))
         seen, done = [], threading.Event()
 
         def poll():
@@ -287,7 +296,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:  # its shapes, under any flag given explicitly
         ap.set_defaults(rounds=1, latency_prompt=200, latency_tokens=16,
-                        latency_kv_bytes=100_000_000, capacity="300:40000000",
+                        latency_kv_bytes=100_000_000, capacity=f"{SMOKE_PROMPT}:100000000",
                         capacity_tokens=8, requests=3)
         args = ap.parse_args(argv)
         if set(args.phases.split(",")) != {"latency", "capacity"}:
@@ -306,20 +315,18 @@ def main(argv=None) -> int:
                date=datetime.date.today().isoformat(), commit=commit,
                config={k: v for k, v in vars(args).items() if k not in ("plot",)})
     phases = set(args.phases.split(","))
-    if "latency" in phases:
-        res["latency"] = latency(args, {"resident": None, "connector": extra}, logs)
-        for n in (1, 4):
-            key = f"concurrency_{n}"
-            res["latency"][f"ratio_{n}"] = (res["latency"]["connector"][key]["median_gap_s"]
-                                            / res["latency"]["resident"][key]["median_gap_s"])
-    if "capacity" in phases:
-        res["capacity"] = {}
-        for item in args.capacity.split(","):
-            prompt, kv_bytes = (int(x) for x in item.split(":"))
-            res["capacity"][str(prompt)] = {arm: capacity(args, arm, e, prompt, kv_bytes, logs)
-                                            for arm, e in (("resident", None),
-                                                           ("connector", extra))}
-            Path(args.out + ".json").write_text(json.dumps(res, indent=1))
+    arms = {"resident": None, "connector": extra}
+    with contextlib.ExitStack() as stack:
+        # the smoke checks that both phases run, not what they measure: one server per arm
+        # serves both (a server start is most of a smoke's time on CPU)
+        shared = {arm: stack.enter_context(Server(
+            args.model, e, max_model_len=max(
+                [args.latency_prompt + args.latency_tokens] + [
+                    int(c.split(":")[0]) + args.capacity_tokens
+                    for c in args.capacity.split(",")]) + 8,
+            kv_bytes=args.latency_kv_bytes, max_num_seqs=max(8, args.requests),
+            log=logs / f"smoke_{arm}.log")) for arm, e in arms.items()} if args.smoke else {}
+        run_phases(args, res, phases, arms, logs, shared)
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))
     plot(res, args.out + ".png")
     print("wrote", args.out + ".json", args.out + ".png")
@@ -334,6 +341,23 @@ def main(argv=None) -> int:
                            else "every request got all its tokens"))
         return 1 if short else 0
     return 0
+
+
+def run_phases(args, res: dict, phases: set, arms: dict, logs: Path, shared: dict) -> None:
+    if "latency" in phases:
+        res["latency"] = latency(args, arms, logs, shared or None)
+        for n in (1, 4):
+            key = f"concurrency_{n}"
+            res["latency"][f"ratio_{n}"] = (res["latency"]["connector"][key]["median_gap_s"]
+                                            / res["latency"]["resident"][key]["median_gap_s"])
+    if "capacity" in phases:
+        res["capacity"] = {}
+        for item in args.capacity.split(","):
+            prompt, kv_bytes = (int(x) for x in item.split(":"))
+            res["capacity"][str(prompt)] = {arm: capacity(args, arm, e, prompt, kv_bytes, logs,
+                                                          shared.get(arm))
+                                            for arm, e in arms.items()}
+            Path(args.out + ".json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
