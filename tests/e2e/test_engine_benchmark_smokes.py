@@ -2,7 +2,7 @@
 ``needle``, ``cpu_step_parts`` and ``spec_memory`` each in its ``--smoke`` mode (tiny
 shapes), all at once.
 
-They start vLLM (two engines, three engines, four servers, three engines, two, two), and
+They start vLLM (two engines, three engines, two servers, three engines, two, two), and
 ``cpu_server``'s servers use one core each and wait on their starts much of the time, so
 running them side by side costs less than one after another.  Each smoke checks something
 and exits 1 when it does not hold: ``kv_layout`` its layout against the ledger's latest
