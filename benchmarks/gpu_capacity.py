@@ -74,6 +74,7 @@ def child(args) -> None:
               kv_cache_memory_bytes=args.kv_bytes)
     if args.max_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_batched_tokens
+    kw.update(json.loads(args.engine_args))
     if args.connector:
         from gpu_measure import engine_args
         kw.update(engine_args(json.loads(args.connector), unaudited=args.unaudited))
@@ -193,6 +194,10 @@ def main(argv=None) -> int:
                     help="max_num_batched_tokens of both arms (0: vLLM's default); a prefill "
                          "chunk holds a block of each 4-token compressor-state group per 4 "
                          "tokens, each a whole block stride, for its step")
+    ap.add_argument("--engine-args", default="{}", metavar="JSON",
+                    help="more vllm.LLM arguments for both arms, e.g. "
+                         "'{\"scheduler_reserve_full_isl\": false}' (admit a prompt on its "
+                         "first chunk instead of its whole prefill)")
     ap.add_argument("--unaudited", action="store_true",
                     help="the connector through scripts/gpu_measure.py's subclass, which lets "
                          "through what the package still refuses on CUDA (history_block_tokens)")
@@ -223,6 +228,7 @@ def main(argv=None) -> int:
                   "scale", "max_batched_tokens"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         cmd += ["--unaudited"] if args.unaudited else []
+        cmd += ["--engine-args", args.engine_args]
         if arm == "connector":
             cmd += ["--connector", args.extra]
         log = os.path.join(args.out, f"capacity_{arm}.log")
@@ -240,7 +246,7 @@ def main(argv=None) -> int:
                rate=args.rate, arrive_s=args.arrive_s, out_tokens=args.out_tokens,
                max_num_seqs=args.max_seqs, shape=args.shape,
                max_num_batched_tokens=args.max_batched_tokens or None,
-               unaudited=args.unaudited, extra_config=json.loads(args.extra), arms=results)
+               engine_args=json.loads(args.engine_args), unaudited=args.unaudited, extra_config=json.loads(args.extra), arms=results)
     add_ratios(doc)
     with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -266,7 +272,7 @@ def merge(paths: list[str], out: str) -> int:
     can be shorter than two arms): their settings must be equal."""
     docs = [json.load(open(p)) for p in paths]
     same = ("kv_cache_memory_bytes", "lengths", "rate", "arrive_s", "out_tokens", "max_num_seqs",
-            "shape", "max_num_batched_tokens")
+            "shape", "max_num_batched_tokens", "engine_args")
     for d in docs[1:]:
         differ = [k for k in same if d.get(k) != docs[0].get(k)]
         both = "connector" in d["arms"] and "connector" in docs[0]["arms"]

@@ -38,11 +38,13 @@ def test_merge_takes_each_files_arms_and_computes_the_ratios(tmp_path):
     assert doc["extra_config"] == {"history_block_tokens": 1024}
 
 
-def test_merge_refuses_arms_run_with_other_settings(tmp_path):
+@pytest.mark.parametrize("other", [dict(kv_cache_memory_bytes=2),
+                                   dict(engine_args={"scheduler_reserve_full_isl": False})])
+def test_merge_refuses_arms_run_with_other_settings(tmp_path, other):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_doc({"resident": _arm(4, 100.0, {})})))
-    b.write_text(json.dumps(_doc({"connector": _arm(10, 190.0, {})}, kv_cache_memory_bytes=2)))
-    with pytest.raises(SystemExit, match="kv_cache_memory_bytes"):
+    b.write_text(json.dumps(_doc({"connector": _arm(10, 190.0, {})}, **other)))
+    with pytest.raises(SystemExit, match=next(iter(other))):
         G.merge([str(a), str(b)], str(tmp_path / "out"))
 
 
