@@ -95,7 +95,7 @@ def child(args) -> None:
         return upstream_preempt(*a, **kw)
     sched._preempt_request = counted_preempt
     t0 = time.perf_counter()
-    arrival, first, last, seen, itl = {}, {}, {}, {}, []
+    arrival, first, last, seen, itl, ended = {}, {}, {}, {}, [], set()
     timeline, added, total_out = [], 0, 0
     decode_steps: dict[int, list[float]] = {}  # decoding requests -> pure decode step times
     while time.perf_counter() - t0 < args.arm_s:
@@ -117,6 +117,8 @@ def child(args) -> None:
         outs = engine.step()
         t = time.perf_counter()
         for o in outs:
+            if o.finished:
+                ended.add(o.request_id)
             n = len(o.outputs[0].token_ids)
             new = n - seen.get(o.request_id, 0)
             if new <= 0:
@@ -137,10 +139,12 @@ def child(args) -> None:
     ttft = [first[r] - arrival[r] for r in first]
     res = dict(requests_sent=added, requests_started=len(first),
                requests_finished=sum(seen.get(r, 0) >= args.out_tokens for r in arrival),
+               requests_ended=len(ended),  # for any reason
                output_tokens=total_out, seconds=round(dur, 2),
-               # prompt tokens of the requests that reached their first token: what the
-               # engine prefilled in the arm, whatever else bounded it
-               prefill_tokens_per_s=round(sum(len(prompts[int(r[1:])]) for r in first) / dur),
+               # prompt tokens of the requests that reached their first token, over the whole
+               # arm: admissions as much as prefill speed bound it
+               admitted_prompt_tokens_per_s=round(
+                   sum(len(prompts[int(r[1:])]) for r in first) / dur),
                output_tokens_per_s=round(total_out / dur, 1),
                output_tokens_per_s_arrival_window=round(
                    in_window[-1][4] / in_window[-1][0], 1) if in_window else None,
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
                     help="a model directory whose config and tokenizer are used")
     ap.add_argument("--out", default="/tmp/gpu_capacity")
     ap.add_argument("--kv-bytes", type=int, default=3 << 29,
-                    help="kv_cache_memory_bytes of both arms (default 1.5 GiB: vLLM needs ~1.2 GiB for one 132K request in prefill)")
+                    help="kv_cache_memory_bytes of both arms (default 1.5 GiB: vLLM needs "
+                         "~1.2 GiB for one 132K request in prefill)")
     ap.add_argument("--max-len", type=int, default=MAX_LEN, help="max_model_len (positions)")
     ap.add_argument("--max-seqs", type=int, default=96)
     ap.add_argument("--rate", type=float, default=0.5,
@@ -214,6 +219,17 @@ def main(argv=None) -> int:
         return 0
     if args.merge:
         return merge(args.merge, args.out)
+    longest = int(max(LENGTHS) * args.scale) + args.out_tokens
+    if longest > args.max_len:
+        ap.error(f"--max-len {args.max_len} is shorter than the longest prompt "
+                 f"({int(max(LENGTHS) * args.scale)} tokens at --scale {args.scale:g}) plus "
+                 f"--out-tokens {args.out_tokens}: vLLM would end those requests early")
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as e:
+        ap.error(f"--engine-args is not JSON ({e}): give an object of vllm.LLM arguments")
+    if not isinstance(engine_args, dict):
+        ap.error(f"--engine-args {args.engine_args}: give a JSON object of vllm.LLM arguments")
     if args.child:
         child(args)
         return 0
@@ -246,7 +262,9 @@ def main(argv=None) -> int:
                rate=args.rate, arrive_s=args.arrive_s, out_tokens=args.out_tokens,
                max_num_seqs=args.max_seqs, shape=args.shape,
                max_num_batched_tokens=args.max_batched_tokens or None,
-               engine_args=json.loads(args.engine_args), unaudited=args.unaudited, extra_config=json.loads(args.extra), arms=results)
+               max_len=args.max_len, scale=args.scale, arm_s=args.arm_s,
+               engine_args=json.loads(args.engine_args), unaudited=args.unaudited,
+               extra_config=json.loads(args.extra), arms=results)
     add_ratios(doc)
     with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -267,21 +285,38 @@ def add_ratios(doc: dict) -> None:
                 for b in r.get("decode_step_ms", {}) if b in c.get("decode_step_ms", {})})
 
 
+MERGE_SAME = ("kv_cache_memory_bytes", "lengths", "rate", "arrive_s", "out_tokens",
+              "max_num_seqs", "shape", "max_num_batched_tokens", "engine_args", "max_len",
+              "scale", "arm_s", "unaudited")
+MERGE_SAME_META = ("device", "driver", "vllm", "torch", "cuda")
+
+
 def merge(paths: list[str], out: str) -> int:
     """One result from arms run by separate calls on the same machine (a call's time limit
-    can be shorter than two arms): their settings must be equal."""
-    docs = [json.load(open(p)) for p in paths]
-    same = ("kv_cache_memory_bytes", "lengths", "rate", "arrive_s", "out_tokens", "max_num_seqs",
-            "shape", "max_num_batched_tokens", "engine_args")
-    for d in docs[1:]:
-        differ = [k for k in same if d.get(k) != docs[0].get(k)]
-        both = "connector" in d["arms"] and "connector" in docs[0]["arms"]
-        if both and d.get("extra_config") != docs[0].get("extra_config"):  # resident ignores it
-            differ.append("extra_config")
+    can be shorter than two arms): their settings, machine and versions must be equal, and
+    each arm must come from one file."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    first = docs[0]
+    seen = {a: paths[0] for a in first["arms"]}
+    for path, d in zip(paths[1:], docs[1:]):
+        differ = [(k, first.get(k), d.get(k)) for k in MERGE_SAME if d.get(k) != first.get(k)]
+        differ += [(f"meta.{k}", first["meta"].get(k), d["meta"].get(k))
+                   for k in MERGE_SAME_META if d["meta"].get(k) != first["meta"].get(k)]
+        both = "connector" in d["arms"] and "connector" in first["arms"]
+        if both and d.get("extra_config") != first.get("extra_config"):  # resident ignores it
+            differ.append(("extra_config", first.get("extra_config"), d.get("extra_config")))
         if differ:
-            raise SystemExit(f"--merge: {paths[0]} and another file differ in {differ}")
+            raise SystemExit(f"--merge: {path} differs from {paths[0]}: " + "; ".join(
+                f"{k} {b!r} against {a!r}" for k, a, b in differ))
+        for arm in d["arms"]:
+            if arm in seen:
+                raise SystemExit(f"--merge: arm {arm!r} is in both {seen[arm]} and {path}")
+            seen[arm] = path
     with_connector = [d for d in docs if "connector" in d["arms"]] or docs
-    doc = dict(docs[0], extra_config=with_connector[0].get("extra_config"),
+    doc = dict(first, extra_config=with_connector[0].get("extra_config"),
                arms={a: v for d in docs for a, v in d["arms"].items()},
                merged_from=[dict(meta=d["meta"], arms=list(d["arms"])) for d in docs])
     add_ratios(doc)

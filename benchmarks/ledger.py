@@ -165,7 +165,7 @@ HEADLINES = (
      "{max_decoding_resident} in 1.5 GiB at 32K-128K-token prompts, {tokens_per_s_connector} "
      "against {tokens_per_s_resident} output tokens/s (docs/capacity.md says what bounds it)"),
     ("sessions in the same KV memory, GPU, DeepSeek-V4-Flash's layer plan (not yet more)",
-     ("gpu_capacity", "kv4g_rate0.2_v4flash_history1024"),
+     ("gpu_capacity", "kv4g_rate0.2_v4flash_history1024_chunk2048"),
      "{max_decoding_connector} requests decoding at once against resident's "
      "{max_decoding_resident} in 4 GiB at 32K-128K-token prompts with 1,024-token history "
      "blocks, {tokens_per_s_connector} against {tokens_per_s_resident} output tokens/s, "

@@ -66,8 +66,11 @@ def _gpu_capacity(doc: dict) -> tuple[str, dict]:
     r, c = doc["arms"]["resident"], doc["arms"]["connector"]
     shape = doc.get("shape", "demo")
     wide = (doc.get("extra_config") or {}).get("history_block_tokens")
+    chunk = doc.get("max_num_batched_tokens")
     config = (f"kv{doc['kv_cache_memory_bytes'] / 2**30:g}g_rate{doc['rate']:g}"
-              + (f"_{shape}" if shape != "demo" else "") + (f"_history{wide}" if wide else ""))
+              + (f"_{shape}" if shape != "demo" else "") + (f"_history{wide}" if wide else "")
+              + (f"_chunk{chunk}" if chunk else "")
+              + "".join(f"_{k}={v}" for k, v in sorted((doc.get("engine_args") or {}).items())))
     return config, dict(
         max_decoding_resident=r["max_decoding"], max_decoding_connector=c["max_decoding"],
         tokens_per_s_resident=r["output_tokens_per_s"],

@@ -56,14 +56,9 @@ def test_connector_against_resident_with_cuda_graphs(tmp_path):
     assert arms["serve-connector"]["passkey_answered"]
 
 
-@pytest.mark.parametrize("graphs,history", [(False, 0), (True, 0), (True, 1024)],
-                         ids=["eager", "full_graphs", "full_graphs_history1024"])
-def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path, graphs, history):
-    """``history``: the indexer keys and c128a rows in wider blocks (history_block_tokens);
-    vLLM's own reads of them are compared with its default layout in
-    test_wide_history_kernels.py."""
-    extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0,
-             **({"history_block_tokens": history} if history else {})}
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "full_graphs"])
+def test_every_routed_decode_call_equals_upstreams_in_the_engine(tmp_path, graphs):
+    extra = {"hot_cache_rows": 512, "optional_residency": False, "device_window_tokens": 0}
     doc = run(tmp_path, "--arms", "connector", "--audit", "--extra", json.dumps(extra),
               *([] if graphs else ["--eager"]))
     arm = doc["arms"]["connector"]

@@ -6,10 +6,11 @@ pages PAGE bytes apart (1,168 B c128a, 8,448 B indexer) and numbers the j-th ker
 block b as b * (STRIDE // PAGE) + j (v1/worker/utils.py map_kv_cache_to_kernel_blocks).  The
 engine audit covers only the routed c4a decode; here the same logical pages, in the same
 logical order, are put once in vLLM's default layout (one kernel page per block, 93,888 B
-apart) and once in the wide one (STRIDE 616,704 = lcm(1168, 8448)), and each of vLLM's reads
-and writes of these caches must give the same bits in both: the c128a FlashMLA decode, the
-indexer's DeepGEMM decode logits, its prefill gather and its cache write.  Needs a CUDA GPU
-and vLLM 0.33; skipped elsewhere.
+apart) and once in the wide one (STRIDE 616,704 = lcm(1168, 8448)), and each of vLLM's
+reads of these caches must give the same bits in both: the c128a FlashMLA decode, the
+indexer's DeepGEMM decode logits and its prefill gather; and vLLM's generic indexer cache
+write.  DeepSeek-V4 itself writes both caches through its compressor's fused kernels, which
+are not compared here.  Needs a CUDA GPU and vLLM 0.33; skipped elsewhere.
 """
 import itertools
 

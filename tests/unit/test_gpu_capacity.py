@@ -2,6 +2,7 @@
 and the merge of arms that separate calls ran (a call's time limit can be shorter than
 two arms of a long-context run)."""
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,19 +39,46 @@ def test_merge_takes_each_files_arms_and_computes_the_ratios(tmp_path):
     assert doc["extra_config"] == {"history_block_tokens": 1024}
 
 
-@pytest.mark.parametrize("other", [dict(kv_cache_memory_bytes=2),
-                                   dict(engine_args={"scheduler_reserve_full_isl": False})])
-def test_merge_refuses_arms_run_with_other_settings(tmp_path, other):
+@pytest.mark.parametrize("other,arm,says", [
+    (dict(kv_cache_memory_bytes=2), "connector", "kv_cache_memory_bytes 2 against"),
+    (dict(engine_args={"scheduler_reserve_full_isl": False}), "connector", "engine_args"),
+    (dict(meta={"device": "another GPU"}), "connector", "meta.device 'another GPU'"),
+    ({}, "resident", "arm 'resident' is in both"),
+])
+def test_merge_refuses_arms_run_otherwise_or_twice(tmp_path, other, arm, says):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_doc({"resident": _arm(4, 100.0, {})})))
-    b.write_text(json.dumps(_doc({"connector": _arm(10, 190.0, {})}, **other)))
-    with pytest.raises(SystemExit, match=next(iter(other))):
+    b.write_text(json.dumps(_doc({arm: _arm(10, 190.0, {})}, **other)))
+    with pytest.raises(SystemExit, match=says):
+        G.merge([str(a), str(b)], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_connector_files_with_other_configs_do_not_merge(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_doc({"connector": _arm(4, 100.0, {})})))
+    b.write_text(json.dumps(_doc({"resident": _arm(10, 190.0, {})}, extra_config={})))
+    G.merge([str(a), str(b)], str(tmp_path / "ok"))  # resident ignores the connector's config
+    b.write_text(json.dumps(_doc({"connector": _arm(10, 190.0, {})}, extra_config={})))
+    with pytest.raises(SystemExit, match="extra_config"):
         G.merge([str(a), str(b)], str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("args,says", [
+    (["--out-tokens", "8192"], "--max-len 135168 is shorter than the longest prompt"),
+    (["--engine-args", "[1]"], "--engine-args"),
+    (["--engine-args", "{x"], "--engine-args is not JSON"),
+])
+def test_settings_vllm_would_not_run_as_asked_are_refused(capsys, args, says):
+    with pytest.raises(SystemExit) as e:
+        G.main(args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_v4flash_model_has_the_flash_layer_plan_and_the_context():
-    cfg = json.loads((Path(G.model_dir(str(ROOT / "models" / "needle_v4"), 135168, "v4flash"))
-                      / "config.json").read_text())
+    d = Path(G.model_dir(str(ROOT / "models" / "needle_v4"), 135168, "v4flash"))
+    cfg = json.loads((d / "config.json").read_text())
+    shutil.rmtree(d)
     ratios = cfg["compress_ratios"]
     assert (cfg["num_hidden_layers"], len(ratios), cfg["index_n_heads"]) == (43, 43, 64)
     assert (ratios.count(0), ratios.count(4), ratios.count(128)) == (2, 21, 20)

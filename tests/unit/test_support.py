@@ -199,8 +199,8 @@ def test_wider_history_blocks_with_what_has_not_run_are_refused_everywhere(cfg, 
             check_supported(cfg, platform, unaudited=True)
 
 
-def test_wider_history_blocks_are_served_on_sm90_and_refused_where_the_connector_is():
-    check_supported(wide(), H200)
-    check_supported(wide(budget=1024, chunked_prefill=True), H200)
-    with pytest.raises(ValueError, match=r"compute capability 10\.0 \(SM100\) has not run"):
-        check_supported(wide(), SM100)
+def test_wider_history_blocks_are_refused_on_cuda_until_they_have_run_there():
+    with pytest.raises(ValueError, match=r"history_block_tokens 1024 has not run exact "
+                                         r"inside vLLM's CUDA engine.*compressor"):
+        check_supported(wide(), H200)
+    check_supported(wide(), H200, unaudited=True)  # the measuring scripts may

@@ -16,11 +16,9 @@ the reason and the way out, instead of producing wrong tokens without an error:
   (B200) it has not covered, so they are refused with that reason.  Prefix hits from host
   memory (``host_prefix_gib``) are served: inside the engine the KV a hit loads equals, byte
   for byte, the blocks vLLM computed for those tokens (scripts/gpu_host_prefix_bytes.py,
-  make test-gpu).  History in wider blocks (``history_block_tokens``) is served on SM90:
-  vLLM's own reads and writes of the indexer and c128a pages inside them equal, bit for
-  bit, those of its default layout (tests/gpu/test_wide_history_kernels.py), and the
-  routed decode stays bit-identical to upstream's there (the audit with 1,024-token
-  blocks).  A subclass
+  make test-gpu).  History in wider blocks (``history_block_tokens``) is refused on CUDA
+  until DeepSeek-V4's compressor writes into them are compared with its default layout
+  (vLLM's reads of them are: tests/gpu/test_wide_history_kernels.py).  A subclass
   of the connector that measures the GPU path (``scripts/gpu_measure.py``, outside the
   package and its config) lets the refused graph modes, the unaudited speculative setups
   and SM100 through, so that the audit can run them.  What has not run on CUDA at all is
@@ -199,6 +197,16 @@ def cuda_problem(vllm_config, platform, unaudited: bool = False) -> str | None:
     problem = spec_problem(vllm_config)
     if problem is not None:
         return problem
+    cfg = connector_config(vllm_config)
+    if cfg is not None and cfg.history_block_tokens:
+        return (f"history_block_tokens {cfg.history_block_tokens} has not run exact inside "
+                f"vLLM's CUDA engine yet: it serves there (H100: the routed c4a decode "
+                f"bit-identical to upstream's in 422 of 422 calls, benchmarks/results/"
+                f"gpu_connector_audit_2026-12-07_6588c8a_history1024.json) and vLLM's reads of "
+                f"the indexer and c128a pages inside the wider blocks equal its default "
+                f"layout's bit for bit (tests/gpu/test_wide_history_kernels.py), but "
+                f"DeepSeek-V4's compressor, which writes those pages, has not been compared "
+                f"there (docs/capacity.md). Drop history_block_tokens on CUDA.")
     if cap.major != 9:
         return (f"CUDA compute capability {cap.major}.{cap.minor} (SM100) has not run the "
                 f"connector yet: its in-engine audit ran on SM90 (H100). Serve without the "
