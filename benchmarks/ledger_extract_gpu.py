@@ -5,6 +5,8 @@ and the GPU layer's correctness and FlashMLA checks.  Each takes the result JSON
 """
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 
@@ -245,7 +247,13 @@ def _gpu_fmla_decode(doc: dict) -> tuple[str, dict]:
                          invalid_selections=d["invalid_selections"], passed=doc["passed"])
 
 
-GPU_EXTRACTORS = {"gpu_make_test": _gpu_make_test, "gpu_host_prefix": _gpu_host_prefix,
+def _gpu_pytest(doc: dict) -> tuple[str, dict]:
+    """One GPU test file's pytest summary (its output beside the record)."""
+    return os.path.splitext(os.path.basename(doc["tests"]))[0], dict(
+        passed=doc["passed"], failed=doc["failed"], skipped=doc["skipped"])
+
+
+GPU_EXTRACTORS = {"gpu_make_test": _gpu_make_test, "gpu_pytest": _gpu_pytest, "gpu_host_prefix": _gpu_host_prefix,
                   "gpu_host_prefix_bytes": _gpu_host_prefix_bytes,
                   "gpu_host_prefix_package": _gpu_package_scenarios,
                   "gpu_serve_metrics": _gpu_serve_metrics, "gpu_connector_audit": _gpu_audit,
