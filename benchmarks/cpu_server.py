@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from vllm_dhisparse import demo  # noqa: E402
 from vllm_dhisparse.engine_args import server_args as connector_args  # noqa: E402
 
-SMOKE_PROMPT = 300  # the smoke's capacity prompt; its servers hold the latency phase's KV
+SMOKE_PROMPT = 300  # the smoke's capacity prompt length
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.e+]+)", re.M)
 
 
@@ -301,6 +301,9 @@ def main(argv=None) -> int:
         args = ap.parse_args(argv)
         if set(args.phases.split(",")) != {"latency", "capacity"}:
             ap.error("--smoke runs and checks both phases: drop --phases")
+        if any(int(c.split(":")[1]) != args.latency_kv_bytes for c in args.capacity.split(",")):
+            ap.error(f"--smoke serves both phases from one server per arm: give --capacity "
+                     f"the KV bytes of --latency-kv-bytes ({args.latency_kv_bytes})")
     if args.plot:
         plot(json.loads(Path(args.plot).read_text()), args.out + ".png")
         return 0
@@ -318,14 +321,19 @@ def main(argv=None) -> int:
     arms = {"resident": None, "connector": extra}
     with contextlib.ExitStack() as stack:
         # the smoke checks that both phases run, not what they measure: one server per arm
-        # serves both (a server start is most of a smoke's time on CPU)
-        shared = {arm: stack.enter_context(Server(
+        # serves both, the two starting side by side (a server start is most of a smoke's
+        # time on CPU)
+        shared = {arm: Server(
             args.model, e, max_model_len=max(
                 [args.latency_prompt + args.latency_tokens] + [
                     int(c.split(":")[0]) + args.capacity_tokens
                     for c in args.capacity.split(",")]) + 8,
             kv_bytes=args.latency_kv_bytes, max_num_seqs=max(8, args.requests),
-            log=logs / f"smoke_{arm}.log")) for arm, e in arms.items()} if args.smoke else {}
+            log=logs / f"smoke_{arm}.log") for arm, e in arms.items()} if args.smoke else {}
+        for server in shared.values():
+            stack.push(server)  # stopped on the way out, started or not
+        for server in shared.values():
+            demo.wait_healthy(server.url, server.proc, 600)
         run_phases(args, res, phases, arms, logs, shared)
     Path(args.out + ".json").write_text(json.dumps(res, indent=1))
     plot(res, args.out + ".png")
