@@ -37,9 +37,10 @@ HISTORY_BLOCK_TOKENS = 256  # the full-attention group's block: DeepSeek-V4's in
 
 
 def shape_dir(name: str) -> str:
-    from benchmarks.common import layer_plan, model_config_copy
+    from benchmarks.common import SHAPES, layer_plan, model_config_copy
     src = os.path.join(ROOT, "models", "needle_v4")
-    layer_plan(name, {})  # an unknown name stops here, before any copy
+    if name not in SHAPES:
+        raise ValueError(f"shape {name!r}; allowed: {', '.join(SHAPES)}")
     if name == "demo":
         return src
     return model_config_copy(src, f"kv-layout-{name}-", lambda cfg: layer_plan(name, cfg))
