@@ -8,11 +8,15 @@ engine audit covers only the routed c4a decode; here the same logical pages, in 
 logical order, are put once in vLLM's default layout (one kernel page per block, 93,888 B
 apart) and once in the wide one (STRIDE 616,704 = lcm(1168, 8448)), and each of vLLM's
 reads of these caches must give the same bits in both: the c128a FlashMLA decode, the
-indexer's DeepGEMM decode logits and its prefill gather; and vLLM's generic indexer cache
-write.  DeepSeek-V4 itself writes both caches through its compressor's fused kernels, which
-are not compared here.  Needs a CUDA GPU and vLLM 0.33; skipped elsewhere.
+indexer's DeepGEMM decode logits and its prefill gather.  Writes are compared too, page for
+page, and must leave every byte outside their target pages (other layers' parts of a wide
+block, free blocks) as it was: the writers DeepSeek-V4 runs on CUDA, i.e. its compressor's
+fused Triton compress+store of the indexer keys and the CuTe-DSL norm+RoPE+store of the c128a
+rows (fed the pre-norm rows that its compress half, which writes no cache, would hand it),
+and vLLM's generic indexer write.  Needs a CUDA GPU and vLLM 0.33; skipped elsewhere.
 """
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,6 +103,67 @@ def _place(pages, rows, row_bytes, wide, g, device="cuda"):
 def _ids(table: torch.Tensor) -> torch.Tensor:
     """Kernel block ids of the logical pages, request after request."""
     return torch.cat([table[r, :n] for r, n in enumerate(NPAGES)])
+
+
+def _backing(view: torch.Tensor) -> torch.Tensor:
+    """The whole buffer under a kernel view, other layers' bytes and free blocks included.
+    # [num_blocks * stride] uint8"""
+    return view.as_strided((view.untyped_storage().nbytes(),), (1,), 0)
+
+
+def _assert_only_pages_written(before: torch.Tensor, view: torch.Tensor, ids: torch.Tensor):
+    """Every byte outside the kernel pages ``ids`` is as in ``before``: a write that lands in
+    another layer's part of a wide block, or in a free block, fails here."""
+    after = _backing(view)
+    page = view.shape[1] * view.shape[2]
+    target = ids.long().view(-1, 1) * view.stride(0) + torch.arange(page, device=view.device)
+    outside = torch.ones_like(after, dtype=torch.bool)
+    outside[target.view(-1)] = False
+    changed = int(((after != before) & outside).sum())
+    assert changed == 0, f"{changed} bytes changed outside the target pages"
+
+
+def _rows_written(pages: torch.Tensor, token_bytes: int) -> int:
+    """Rows of zeroed pages that a store gave a scale: the scales follow the page's rows
+    (token_bytes each), and no quantised row has an all-zero scale."""
+    p, rows = pages.shape[0], pages.shape[1]
+    scales = pages.reshape(p, -1)[:, rows * token_bytes:].reshape(p, rows, -1)
+    return int(scales.any(-1).sum())
+
+
+def _prefill():
+    """Every token of the four requests as one prefill: (request index int32, position int64)
+    per token, as vLLM's token_to_req_indices and positions give them.  # [T], [T]"""
+    req = torch.repeat_interleave(torch.arange(len(LENS), dtype=torch.int32),
+                                  torch.tensor(LENS))
+    return req, torch.cat([torch.arange(n) for n in LENS])
+
+
+def _compressed_slots(table: torch.Tensor, rows: int, ratio: int) -> torch.Tensor:
+    """The compressed-row slots vLLM's metadata builders give that prefill (-1 on tokens
+    that end no compressed row), checked to be kernel block id * rows + row.  # [T] int64"""
+    from vllm.v1.attention.backends.mla.compressor_utils import get_compressed_slot_mapping
+
+    tokens = sum(LENS)
+    lens = torch.tensor(LENS, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, *itertools.accumulate(LENS)], dtype=torch.int32, device="cuda")
+    # v1/attention/backends/mla/indexer.py:1442-1453 (rows 64, ratio 4) and
+    # models/deepseek_v4/sparse_mla.py:194-205 (rows 2, ratio 128); no token is a replay
+    slots = get_compressed_slot_mapping(
+        tokens, torch.arange(tokens, device="cuda"), qsl, lens, table, rows, ratio)
+    ids = _ids(table).long()
+    per_page = (ids.view(-1, 1) * rows + torch.arange(rows, device="cuda")).split(NPAGES)
+    want = torch.cat([p.reshape(-1)[:n // ratio] for p, n in zip(per_page, LENS)])
+    assert torch.equal(slots[slots >= 0], want)
+    return slots
+
+
+def _cos_sin() -> torch.Tensor:
+    """fp32 [MAX_MODEL_LEN, 64]: 32 cos then 32 sin per position, the layout of
+    DeepseekV4ScalingRotaryEmbedding.cos_sin_cache (deepseek_scaling_rope.py:244-255); the
+    angles need not be the checkpoint's for a layout comparison."""
+    ang = torch.arange(MAX_MODEL_LEN).float()[:, None] * 1e4 ** (-torch.arange(32) / 32)
+    return torch.cat([ang.cos(), ang.sin()], dim=1).cuda()
 
 
 def test_c128a_decode_reads_wide_pages_as_default_ones():
@@ -232,28 +297,101 @@ def test_indexer_write_lands_in_wide_pages_as_in_default_ones():
     _need_vllm_033()
     from vllm import _custom_ops as ops
     from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
-    from vllm.v1.attention.backends.mla.compressor_utils import get_compressed_slot_mapping
 
     g = torch.Generator().manual_seed(4)
     blank = torch.zeros(sum(NPAGES), INDEXER[0] * INDEXER[1], dtype=torch.uint8)
-    lens = torch.tensor(LENS, dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0, *itertools.accumulate(LENS)], dtype=torch.int32, device="cuda")
     tokens = sum(LENS)  # every token of the four requests, as one prefill
     k = (torch.randn(tokens, 128, generator=g) * 2).to(torch.bfloat16).cuda()
-    # sparse_attn_indexer.py:573-579 (V4 itself writes through its compressor)
+    # sparse_attn_indexer.py:573-579 (V4 itself writes through its compressor: see below)
     fmt = "mxfp8" if mqa_logits_use_mx_scales() else "ue8m0"
     got = []
     for wide in (False, True):
         cache, table = _place(blank, *INDEXER, wide, g)  # [N, 64, 132] uint8
-        # v1/attention/backends/mla/indexer.py:1442-1453: one slot per 4 tokens
-        slots = get_compressed_slot_mapping(
-            tokens, torch.arange(tokens, device="cuda"), qsl, lens, table, INDEXER[0], 4)
-        ids = _ids(table).long()
-        rows = (ids.view(-1, 1) * 64 + torch.arange(64, device="cuda")).split(NPAGES)
-        want = torch.cat([p.reshape(-1)[:n // 4] for p, n in zip(rows, LENS)])
-        assert torch.equal(slots[slots >= 0], want)  # kernel id * 64 + row, as assumed
+        slots = _compressed_slots(table, INDEXER[0], 4)
+        before = _backing(cache).clone()
         ops.indexer_k_quant_and_cache(k, cache, slots, 128, fmt)
-        got.append(cache[ids])  # [P, 64, 132] uint8: the logical pages
-    torch.cuda.synchronize()
-    assert got[0].any()
+        torch.cuda.synchronize()
+        _assert_only_pages_written(before, cache, _ids(table))
+        got.append(cache[_ids(table).long()])  # [P, 64, 132] uint8: the logical pages
+    assert _rows_written(got[0], 128) == sum(n // 4 for n in LENS)
+    assert torch.equal(got[0], got[1])
+
+
+def test_indexer_compressor_store_lands_in_wide_pages_as_in_default_ones():
+    _need_vllm_033()
+    from vllm.models.deepseek_v4.common.ops.fused_compress_quant_cache import (
+        compress_norm_rope_store_triton)
+
+    g = torch.Generator().manual_seed(5)
+    req, pos = _prefill()
+    # the state _SAVE_PARTIAL_STATES_KERNEL leaves for every token, bound as
+    # CompressorStateCache binds it (ratio 4: 4-token blocks of [kv 2 x 128 | score 2 x 128]
+    # fp32 rows, two overlapping windows), each request's blocks at random
+    nblk = [-(-n // 4) for n in LENS]
+    state = torch.randn(sum(nblk) + 1, 4, 512, generator=g).cuda()  # [S, 4, 512] float32
+    stable = torch.zeros(len(LENS), MAX_MODEL_LEN // 4, dtype=torch.int32)
+    for r, b in enumerate((torch.randperm(sum(nblk), generator=g) + 1).split(nblk)):
+        stable[r, :len(b)] = b
+    sslots = stable[req.long(), pos // 4].long() * 4 + pos % 4  # the state's own slots
+    weight = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16).cuda()
+    req, pos, sslots, stable = req.cuda(), pos.cuda(), sslots.cuda(), stable.cuda()
+    cos_sin = _cos_sin()
+    blank = torch.zeros(sum(NPAGES), INDEXER[0] * INDEXER[1], dtype=torch.uint8)
+    got = []
+    for wide in (False, True):
+        cache, table = _place(blank, *INDEXER, wide, g)  # [N, 64, 132] uint8
+        slots = _compressed_slots(table, INDEXER[0], 4)
+        before = _backing(cache).clone()
+        # models/deepseek_v4/compressor.py:500-524 as it runs for the indexer on CUDA
+        # (head_dim 128 takes :497), attributes from compressor.py:302-310 and
+        # attention.py:1037-1046 (FP8 cache: indexer_kv_dtype "auto" is fp8); it hands all
+        # of them unchanged to the fused kernel (fused_compress_quant_cache.py:82-105)
+        compress_norm_rope_store_triton(
+            state_cache=state, num_actual=len(pos), token_to_req_indices=req,
+            positions=pos, slot_mapping=sslots, block_table=stable, block_size=4,
+            state_width=state.shape[-1] // 2, cos_sin_cache=cos_sin, kv_cache=cache,
+            k_cache_metadata=SimpleNamespace(slot_mapping=slots),  # indexer.py:1772
+            pdl_kwargs={"launch_pdl": False}, head_dim=128, rope_head_dim=64,
+            compress_ratio=4, overlap=True, use_fp4_cache=False, rms_norm_weight=weight,
+            rms_norm_eps=1e-6, quant_block=128, token_stride=128, scale_dim=4)
+        torch.cuda.synchronize()
+        _assert_only_pages_written(before, cache, _ids(table))
+        got.append(cache[_ids(table).long()])  # [P, 64, 132] uint8: the logical pages
+    assert _rows_written(got[0], 128) == sum(n // 4 for n in LENS)
+    assert torch.equal(got[0], got[1])
+
+
+def test_c128a_compressor_store_lands_in_wide_pages_as_in_default_ones():
+    _need_vllm_033()
+    try:
+        from vllm.models.deepseek_v4.nvidia.ops.sparse_attn_compress_cutedsl import (
+            _SPARSE_ATTN_NORM_ROPE_STORE_KERNEL as c128_store)
+    except ImportError as e:  # cutlass / quack: V4's c128a layers cannot run without them
+        pytest.skip(f"vLLM's CuTe-DSL compressor kernels do not import: {e}")
+
+    g = torch.Generator().manual_seed(6)
+    pos = _prefill()[1].cuda()
+    # what SparseAttnCompressC128Block8Kernel hands the store: a pre-norm 512-wide row per
+    # token, read only where a 128-token group ends; that half writes no cache
+    ckv = torch.randn(len(pos), 512, generator=g).cuda()  # [T, 512] float32
+    weight = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16).cuda()
+    cos_sin = _cos_sin()
+    blank = torch.zeros(sum(NPAGES), C128A[0] * C128A[1], dtype=torch.uint8)
+    got = []
+    for wide in (False, True):
+        cache, table = _place(blank, *C128A, wide, g)  # [N, 2, 584] uint8
+        slots = _compressed_slots(table, C128A[0], 128)
+        before = _backing(cache).clone()
+        # nvidia/ops/sparse_attn_compress_cutedsl.py:2473-2485, reached from
+        # compressor.py:473-485 (CUDA, head_dim 512; fp8_ds_mla's uint8 cache is not
+        # store_full_kv); of the state's slot_mapping the kernel reads only the sign (:1521)
+        c128_store(
+            compressed_kv=ckv, positions=pos,
+            slot_mapping=torch.arange(len(pos), device="cuda"), rms_norm_weight=weight,
+            rms_norm_eps=1e-6, cos_sin_cache=cos_sin, kv_cache=cache, kv_slot_mapping=slots,
+            compress_ratio=128, head_dim=512, rope_head_dim=64)
+        torch.cuda.synchronize()
+        _assert_only_pages_written(before, cache, _ids(table))
+        got.append(cache[_ids(table).long()])  # [P, 2, 584] uint8: the logical pages
+    assert _rows_written(got[0], 576) == sum(n // 128 for n in LENS)
     assert torch.equal(got[0], got[1])
