@@ -158,6 +158,23 @@ def _compressed_slots(table: torch.Tensor, rows: int, ratio: int) -> torch.Tenso
     return slots
 
 
+def _stored_in_both_layouts(page, ratio, g, store) -> list[torch.Tensor]:
+    """``store(cache, slots)`` run on zeroed pages in the default and then the wide layout;
+    each run may change only its target pages.  Returns each layout's logical pages.
+    # 2 x [P, rows, row_bytes] uint8"""
+    blank = torch.zeros(sum(NPAGES), page[0] * page[1], dtype=torch.uint8)
+    got = []
+    for wide in (False, True):
+        cache, table = _place(blank, *page, wide, g)  # [N, rows, row_bytes] uint8
+        slots = _compressed_slots(table, page[0], ratio)
+        before = _backing(cache).clone()
+        store(cache, slots)
+        torch.cuda.synchronize()
+        _assert_only_pages_written(before, cache, _ids(table))
+        got.append(cache[_ids(table).long()])
+    return got
+
+
 def _cos_sin() -> torch.Tensor:
     """fp32 [MAX_MODEL_LEN, 64]: 32 cos then 32 sin per position, the layout of
     DeepseekV4ScalingRotaryEmbedding.cos_sin_cache (deepseek_scaling_rope.py:244-255); the
@@ -336,12 +353,8 @@ def test_indexer_compressor_store_lands_in_wide_pages_as_in_default_ones():
     weight = (1 + 0.1 * torch.randn(128, generator=g)).to(torch.bfloat16).cuda()
     req, pos, sslots, stable = req.cuda(), pos.cuda(), sslots.cuda(), stable.cuda()
     cos_sin = _cos_sin()
-    blank = torch.zeros(sum(NPAGES), INDEXER[0] * INDEXER[1], dtype=torch.uint8)
-    got = []
-    for wide in (False, True):
-        cache, table = _place(blank, *INDEXER, wide, g)  # [N, 64, 132] uint8
-        slots = _compressed_slots(table, INDEXER[0], 4)
-        before = _backing(cache).clone()
+
+    def store(cache, slots):
         # models/deepseek_v4/compressor.py:500-524 as it runs for the indexer on CUDA
         # (head_dim 128 takes :497), attributes from compressor.py:302-310 and
         # attention.py:1037-1046 (FP8 cache: indexer_kv_dtype "auto" is fp8); it hands all
@@ -354,9 +367,7 @@ def test_indexer_compressor_store_lands_in_wide_pages_as_in_default_ones():
             pdl_kwargs={"launch_pdl": False}, head_dim=128, rope_head_dim=64,
             compress_ratio=4, overlap=True, use_fp4_cache=False, rms_norm_weight=weight,
             rms_norm_eps=1e-6, quant_block=128, token_stride=128, scale_dim=4)
-        torch.cuda.synchronize()
-        _assert_only_pages_written(before, cache, _ids(table))
-        got.append(cache[_ids(table).long()])  # [P, 64, 132] uint8: the logical pages
+    got = _stored_in_both_layouts(INDEXER, 4, g, store)  # [P, 64, 132] uint8 pages each
     assert _rows_written(got[0], 128) == sum(n // 4 for n in LENS)
     assert torch.equal(got[0], got[1])
 
@@ -376,12 +387,8 @@ def test_c128a_compressor_store_lands_in_wide_pages_as_in_default_ones():
     ckv = torch.randn(len(pos), 512, generator=g).cuda()  # [T, 512] float32
     weight = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16).cuda()
     cos_sin = _cos_sin()
-    blank = torch.zeros(sum(NPAGES), C128A[0] * C128A[1], dtype=torch.uint8)
-    got = []
-    for wide in (False, True):
-        cache, table = _place(blank, *C128A, wide, g)  # [N, 2, 584] uint8
-        slots = _compressed_slots(table, C128A[0], 128)
-        before = _backing(cache).clone()
+
+    def store(cache, slots):
         # nvidia/ops/sparse_attn_compress_cutedsl.py:2473-2485, reached from
         # compressor.py:473-485 (CUDA, head_dim 512; fp8_ds_mla's uint8 cache is not
         # store_full_kv); of the state's slot_mapping the kernel reads only the sign (:1521)
@@ -390,8 +397,6 @@ def test_c128a_compressor_store_lands_in_wide_pages_as_in_default_ones():
             slot_mapping=torch.arange(len(pos), device="cuda"), rms_norm_weight=weight,
             rms_norm_eps=1e-6, cos_sin_cache=cos_sin, kv_cache=cache, kv_slot_mapping=slots,
             compress_ratio=128, head_dim=512, rope_head_dim=64)
-        torch.cuda.synchronize()
-        _assert_only_pages_written(before, cache, _ids(table))
-        got.append(cache[_ids(table).long()])  # [P, 2, 584] uint8: the logical pages
+    got = _stored_in_both_layouts(C128A, 128, g, store)  # [P, 2, 584] uint8 pages each
     assert _rows_written(got[0], 576) == sum(n // 128 for n in LENS)
     assert torch.equal(got[0], got[1])
