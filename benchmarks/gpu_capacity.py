@@ -265,10 +265,16 @@ def main(argv=None) -> int:
                max_len=args.max_len, scale=args.scale, arm_s=args.arm_s,
                engine_args=json.loads(args.engine_args), unaudited=args.unaudited,
                extra_config=json.loads(args.extra), arms=results)
+    return write_result(doc, args.out)
+
+
+def write_result(doc: dict, out: str) -> int:
+    """OUT/gpu_capacity.json with the arms' ratios, and its plot."""
     add_ratios(doc)
-    with open(os.path.join(args.out, "gpu_capacity.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_capacity.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(doc, os.path.join(args.out, "gpu_capacity.png"))
+    plot(doc, os.path.join(out, "gpu_capacity.png"))
     print("SUMMARY " + json.dumps(doc.get("ratios")), flush=True)
     return 0
 
@@ -319,13 +325,7 @@ def merge(paths: list[str], out: str) -> int:
     doc = dict(first, extra_config=with_connector[0].get("extra_config"),
                arms={a: v for d in docs for a, v in d["arms"].items()},
                merged_from=[dict(meta=d["meta"], arms=list(d["arms"])) for d in docs])
-    add_ratios(doc)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_capacity.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    plot(doc, os.path.join(out, "gpu_capacity.png"))
-    print("SUMMARY " + json.dumps(doc.get("ratios")), flush=True)
-    return 0
+    return write_result(doc, out)
 
 
 def plot(doc: dict, path: str) -> None:
